@@ -1,0 +1,345 @@
+"""Model hyper-parameters, read from a Hugging Face ``config.json`` or a GGUF file's metadata.
+
+``ModelConfig`` is the one description the model code builds from, whatever the checkpoint format.
+Everything the Llama-family implementation needs to differ by family (attention biases, q/k norm,
+rope scaling, tied embeddings) is an explicit field here, so the model never looks at family names.
+Anything this code cannot run faithfully is refused with ``UnsupportedModelError`` at config time,
+not discovered as garbage output later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import gguf
+
+SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3")
+
+# HF config classes' own defaults for keys a config.json may omit.
+_DEFAULT_THETA = 10_000.0
+_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model this engine cannot run faithfully."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # HF form without rope_theta, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None means plain RoPE.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (qwen2; llama/qwen3 when attention_bias)
+    qk_norm: bool  # qwen3: per-head RMSNorm on q and k before rope
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None  # checkpoint dtype from config.json ("bfloat16", ...); None for GGUF
+    # Recorded but NOT implemented: attention is full causal. Only matters past the window.
+    sliding_window: int | None = None
+    attention_output_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True)
+    mlp_bias: bool = False  # bias on gate/up/down (llama mlp_bias=True)
+    # Per-frequency divisors of the plain inverse frequencies, as llama.cpp stores llama3 scaling
+    # (the GGUF ``rope_freqs`` tensor); None when absent. Applied on top of rope_scaling.
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise UnsupportedModelError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries; expected head_dim/2 = "
+                f"{self.head_dim // 2}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed ``config.json`` (transformers 4.x or 5.x layout)."""
+        architecture = _hf_architecture(cfg)
+        hidden_act = cfg.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; only 'silu'")
+
+        hidden_size = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            # Qwen3Config defaults head_dim to 128 rather than deriving it.
+            head_dim = 128 if architecture == "qwen3" else hidden_size // num_heads
+        max_positions = int(cfg.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
+
+        rope_theta, rope_scaling = _hf_rope(cfg, max_positions)
+
+        if architecture == "qwen2":
+            attention_bias, attention_output_bias, mlp_bias = True, False, False
+        elif architecture == "mistral":
+            attention_bias, attention_output_bias, mlp_bias = False, False, False
+        elif architecture == "qwen3":
+            attention_bias = attention_output_bias = bool(cfg.get("attention_bias", False))
+            mlp_bias = False
+        else:  # llama
+            attention_bias = attention_output_bias = bool(cfg.get("attention_bias", False))
+            mlp_bias = bool(cfg.get("mlp_bias", False))
+
+        sliding_window = _hf_sliding_window(cfg, architecture, max_positions)
+
+        eos = cfg.get("eos_token_id")
+        eos_token_ids = (
+            tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        )
+        bos = cfg.get("bos_token_id")
+
+        return cls(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS[architecture])),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=architecture == "qwen3",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_token_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=sliding_window,
+            attention_output_bias=attention_output_bias,
+            mlp_bias=mlp_bias,
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> ModelConfig:
+        """Build from a GGUF file's metadata (and, for llama3 rope scaling, its ``rope_freqs`` tensor)."""
+        architecture = _gguf_str(reader, "general.architecture")
+        if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            )
+        arch = architecture
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
+        hidden_size = _gguf_int(reader, key("embedding_length"))
+        num_heads = _gguf_int(reader, key("attention.head_count"))
+        num_kv_heads = _gguf_int(reader, key("attention.head_count_kv"), default=num_heads)
+        head_dim = _gguf_int(reader, key("attention.key_length"), default=hidden_size // num_heads)
+        value_dim = _gguf_int(reader, key("attention.value_length"), default=head_dim)
+        if value_dim != head_dim:
+            raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
+        rope_dim = _gguf_int(reader, key("rope.dimension_count"), default=head_dim)
+        if rope_dim != head_dim:
+            raise UnsupportedModelError(
+                f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
+                "are not supported"
+            )
+        max_positions = _gguf_int(reader, key("context_length"))
+
+        tensor_names = {t.name for t in reader.tensors}
+        vocab_size = _gguf_int(reader, key("vocab_size"), default=None)
+        if vocab_size is None:
+            if "tokenizer.ggml.tokens" in reader.fields:
+                vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+            else:
+                vocab_size = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+
+        rope_scaling = _gguf_rope_scaling(reader, arch, max_positions)
+        rope_freq_factors = None
+        for tensor in reader.tensors:
+            if tensor.name == "rope_freqs.weight":
+                if tensor.tensor_type.name != "F32":
+                    raise UnsupportedModelError(f"rope_freqs tensor of type {tensor.tensor_type.name}")
+                rope_freq_factors = tuple(float(x) for x in tensor.data.reshape(-1))
+
+        eos_token_ids: list[int] = []
+        for field in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ):
+            token = _gguf_int(reader, field, default=None)
+            if token is not None and token not in eos_token_ids:
+                eos_token_ids.append(token)
+
+        return cls(
+            architecture=architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=_gguf_int(reader, key("feed_forward_length")),
+            num_layers=_gguf_int(reader, key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_gguf_float(reader, key("attention.layer_norm_rms_epsilon")),
+            rope_theta=_gguf_float(reader, key("rope.freq_base"), default=_DEFAULT_THETA),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=_gguf_int(reader, "tokenizer.ggml.bos_token_id", default=None),
+            eos_token_ids=tuple(eos_token_ids),
+            torch_dtype=None,
+            sliding_window=None,
+            attention_output_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+            rope_freq_factors=rope_freq_factors,
+        )
+
+
+def _hf_architecture(cfg: dict[str, Any]) -> str:
+    architectures = cfg.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_HF_ARCHITECTURES:
+            return SUPPORTED_HF_ARCHITECTURES[name]
+    model_type = cfg.get("model_type")
+    if not architectures and model_type in SUPPORTED_HF_ARCHITECTURES.values():
+        return str(model_type)
+    described = ", ".join(architectures) if architectures else f"model_type {model_type!r}"
+    raise UnsupportedModelError(
+        f"architecture {described} is not supported; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+    )
+
+
+def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers 5's ``rope_parameters`` or 4.x's
+    ``rope_theta`` and ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+    rope_theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_THETA)
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    if "factor" not in params:
+        raise UnsupportedModelError(f"rope scaling {rope_type!r} needs a 'factor'")
+    scaling: dict[str, Any] = {"rope_type": rope_type, "factor": float(params["factor"])}
+    if rope_type == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if name not in params:
+                raise UnsupportedModelError(f"llama3 rope scaling needs {name!r}")
+            scaling[name] = float(params[name])
+        original = params.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
+        scaling["original_max_position_embeddings"] = int(original or max_positions)
+    return rope_theta, scaling
+
+
+def _hf_sliding_window(cfg: dict[str, Any], architecture: str, max_positions: int) -> int | None:
+    if architecture in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    if architecture == "llama":
+        return None
+    window = cfg.get("sliding_window", 4096 if architecture == "mistral" else None)
+    if window is None or int(window) >= max_positions:
+        return None
+    return int(window)
+
+
+def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict[str, Any] | None:
+    scaling_type = _gguf_str(reader, f"{arch}.rope.scaling.type", default=None)
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type != "linear":
+        raise UnsupportedModelError(
+            f"GGUF rope scaling type {scaling_type!r} is not supported; supported: linear"
+        )
+    factor = _gguf_float(reader, f"{arch}.rope.scaling.factor", default=None)
+    if factor is None:
+        raise UnsupportedModelError("GGUF linear rope scaling without rope.scaling.factor")
+    return {"rope_type": "linear", "factor": factor}
+
+
+_MISSING = object()
+
+
+def _gguf_value(reader: gguf.GGUFReader, name: str, default: Any) -> Any:
+    """A metadata value as a Python str/int/float/bool, or a list of them for arrays.
+
+    Decoded from ``field.parts`` directly (``ReaderField.contents`` is missing from older gguf).
+    """
+    import gguf  # deferred: keeps this module importable without gguf for HF-only use
+
+    field = reader.fields.get(name)
+    if field is None:
+        if default is _MISSING:
+            raise UnsupportedModelError(f"GGUF metadata key {name!r} is missing")
+        return default
+    value_type = field.types[-1]  # the element type for arrays
+
+    def decode(part: Any) -> Any:
+        if value_type == gguf.GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part[0].item()
+
+    values = [decode(field.parts[index]) for index in field.data]
+    return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
+
+
+def _gguf_int(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
+    value = _gguf_value(reader, name, default)
+    if isinstance(value, list):  # e.g. per-layer head counts
+        if len(set(value)) != 1:
+            raise UnsupportedModelError(f"GGUF key {name!r} varies per layer ({value}); not supported")
+        value = value[0]
+    return None if value is None else int(value)
+
+
+def _gguf_float(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
+    value = _gguf_value(reader, name, default)
+    return None if value is None else float(value)
+
+
+def _gguf_str(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
+    value = _gguf_value(reader, name, default)
+    return None if value is None else str(value)

@@ -1,0 +1,316 @@
+"""One Llama-family decoder: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+
+The model works on a flat batch of T tokens (any mix of sequences, prefill or decode): it embeds
+them, runs the decoder layers and hands each layer's q/k/v to an ``Attention`` object, which alone
+knows which earlier keys each token may see. The model holds no KV state.
+
+Numerics follow transformers' implementation operation for operation (RMSNorm in float32 then
+cast back, rotate-half RoPE with cos/sin computed in float32 then cast to the activation dtype,
+SiLU(gate) * up), so logits match it to float rounding. For speed q/k/v and gate/up are each one
+fused Linear; ``load_weights`` writes the checkpoint's separate shards into row slices of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.engine.models.attention import Attention
+from service.engine.models.config import ModelConfig, UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
+    """float32 [head_dim // 2] inverse frequencies, computed exactly as transformers does (on CPU)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    scaling = config.rope_scaling
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    if rope_type in ("default", "dynamic"):
+        # dynamic NTK only changes frequencies past max_position_embeddings, which the cos/sin cache
+        # does not cover; within it HF uses the plain frequencies too.
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inverse_frequencies(inv_freq, scaling)
+    else:
+        raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported")
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _llama3_inverse_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    # Mirrors transformers' _compute_llama3_parameters.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, indexed by position.
+
+    The tables hold half the head dim: rotate-half RoPE uses the same angle for element i and
+    i + D/2, so ``x1 * cos - x2 * sin`` / ``x2 * cos + x1 * sin`` on the halves is exactly HF's
+    ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, element by element.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        half = config.head_dim // 2
+        # Non-persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer(
+            "cos_cached", torch.empty(config.max_position_embeddings, half), persistent=False
+        )
+        self.register_buffer(
+            "sin_cached", torch.empty(config.max_position_embeddings, half), persistent=False
+        )
+        if self.cos_cached.device.type != "meta":
+            self.reset_cache()
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        """Recompute the tables in float32 on CPU (as HF computes inv_freq) into the buffers' dtype/device."""
+        inv_freq = rope_inverse_frequencies(self.config)
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.cos_cached.copy_(freqs.cos())
+        self.sin_cached.copy_(freqs.sin())
+
+    def lookup(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin: [T, 1, D/2] in ``dtype``, broadcastable over heads."""
+        cos = self.cos_cached[positions].to(dtype)
+        sin = self.sin_cached[positions].to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        # Rows: [q (Hq*D) | k (Hkv*D) | v (Hkv*D)].
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+        # hidden: [T, hidden]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size :].view(
+            num_tokens, self.num_kv_heads, self.head_dim
+        )  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, -1)
+            )
+            q = apply_rope(q, cos, sin)  # [T, Hq, D]
+            k = apply_rope(k, cos, sin)  # [T, Hkv, D]
+        else:
+            # q and k are adjacent in qkv: rotate them with one call.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+            qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # Rows: [gate (I) | up (I)].
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# checkpoint projection name -> (fused module name, shard index within it)
+_FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _checkpoint_name(param_name: str, shard: int | None) -> str:
+    """The HF checkpoint name that fills (param_name, shard)."""
+    if shard is None:
+        return param_name
+    prefix, fused_name, suffix = param_name.rsplit(".", 2)
+    shard_name = next(n for n, (f, s) in _FUSED_SHARDS.items() if f == fused_name and s == shard)
+    return f"{prefix}.{shard_name}.{suffix}"
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF's (``model.layers.N.self_attn.o_proj.weight``, ...), except the
+    fused ``qkv_proj`` and ``gate_up_proj``. With tied embeddings there is no ``lm_head``: logits use
+    ``model.embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
+        """input_ids, positions: [T] int64, a flat token batch. Returns final-norm hidden states [T, hidden].
+
+        Positions index the RoPE tables, so each must be < max_position_embeddings.
+        """
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.lookup(positions, hidden.dtype)  # [T, 1, D/2] each, shared by all layers
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32 (matmul in the model dtype, as HF does, then upcast)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
+        config = self.config
+        if fused_name == "qkv_proj":
+            sizes = (config.q_size, config.kv_size, config.kv_size)
+        else:
+            sizes = (config.intermediate_size, config.intermediate_size)
+        start = sum(sizes[:shard])
+        return start, sizes[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into this model's parameters (casting dtype/device).
+
+        Strict: every parameter (every shard of a fused one) must be written exactly once; unknown
+        names, duplicates and shape mismatches raise. Rotary ``inv_freq`` buffers are ignored, and so
+        is ``lm_head.weight`` when embeddings are tied (HF ties it to the embedding regardless).
+        Also rebuilds the RoPE tables, which a model materialised from 'meta' lacks.
+        """
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, int | None]] = set()
+        for name in params:
+            module_name = name.rsplit(".", 2)[-2]
+            if module_name in ("qkv_proj", "gate_up_proj"):
+                shard_count = 3 if module_name == "qkv_proj" else 2
+                expected.update((name, shard) for shard in range(shard_count))
+            else:
+                expected.add((name, None))
+
+        loaded: set[tuple[str, int | None]] = set()
+        for checkpoint_name, tensor in weights:
+            if checkpoint_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if checkpoint_name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target_name, shard = checkpoint_name, None
+            parts = checkpoint_name.split(".")
+            if len(parts) >= 3 and parts[-2] in _FUSED_SHARDS:
+                fused_name, shard = _FUSED_SHARDS[parts[-2]]
+                target_name = ".".join([*parts[:-2], fused_name, parts[-1]])
+            param = params.get(target_name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of this model")
+            key = (target_name, shard)
+            if key in loaded:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} appears more than once")
+            destination = param.data
+            if shard is not None:
+                start, size = self._shard_rows(target_name.split(".")[-2], shard)
+                destination = destination.narrow(0, start, size)
+            if tuple(tensor.shape) != tuple(destination.shape):
+                raise ValueError(
+                    f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}; "
+                    f"expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add(key)
+
+        missing = expected - loaded
+        if missing:
+            names = sorted(_checkpoint_name(name, shard) for name, shard in missing)
+            raise ValueError(f"checkpoint lacks {len(names)} parameter(s): {', '.join(names[:10])}")
+        self.rotary.reset_cache()

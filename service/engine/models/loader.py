@@ -1,0 +1,174 @@
+"""Checkpoint readers and model construction.
+
+Readers yield ``(hf_parameter_name, tensor)`` pairs one tensor at a time, so peak memory is the
+model plus one tensor. Only formats that cannot execute code are read: safetensors and GGUF.
+Pickle-based checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.llama import LlamaForCausalLM
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def load_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of the ``*.safetensors`` files in ``path`` (sharded via the index, or not).
+
+    Errors are raised on the call, before the first tensor is read, not on first iteration.
+    """
+    path = Path(path)
+    files = _safetensors_files(path)
+    return _read_safetensors(files)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names missing shard(s): {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsupportedModelError(
+            f"{path} holds only pickle checkpoint(s) ({', '.join(pickles)}); they can execute arbitrary code "
+            "when loaded and are never unpickled here. Convert the model to safetensors."
+        )
+    raise FileNotFoundError(f"no *.safetensors files in {path}")
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, handle.get_tensor(name)
+
+
+# GGUF tensor names -> HF names. Per block: blk.N.<gguf> -> model.layers.N.<hf>.
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Consumed by ModelConfig.from_gguf (llama3 rope scaling), not a parameter.
+_GGUF_CONFIG_TENSORS = {"rope_freqs.weight"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_BLOCK_PATTERN.fullmatch(name)
+    if match is None or match.group(2) not in _GGUF_BLOCK_NAMES:
+        raise UnsupportedModelError(f"GGUF tensor {name!r} is not understood by this loader")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_llama_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for its interleaved-pair RoPE.
+
+    convert_hf_to_gguf.py stores ``w.reshape(H, 2, D/2, *rest).swapaxes(1, 2).reshape(shape)`` so
+    that each head's rows interleave its two halves; HF's rotate-half RoPE needs them back in halves.
+    Works for weights [H*D, in] and biases [H*D].
+    """
+    shape = weight.shape
+    half = shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def dequantize_gguf_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """float32 numpy array in row-major HF order ([out, in] for a weight) for any type gguf can dequantize."""
+    try:
+        # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping dominates dequantization.
+        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError as error:
+        raise UnsupportedModelError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be dequantized"
+        ) from error
+    # GGUF lists dims fastest-first (ne order); numpy's row-major shape is the reverse.
+    expected_shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    array = array.reshape(expected_shape)
+    if array.dtype != np.float32:
+        array = array.astype(np.float32)
+    return array
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Read a GGUF file: its config, and its tensors dequantized to float32 under HF names.
+
+    The file is memory-mapped; tensors are dequantized one at a time as the iterator is consumed.
+    """
+    reader = gguf.GGUFReader(str(path))
+    config = ModelConfig.from_gguf(reader)
+    return config, _read_gguf_tensors(reader, config)
+
+
+def _read_gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    # llama.cpp permutes q/k only for the llama architecture (its non-NeoX RoPE); qwen2/qwen3 use
+    # NeoX RoPE and are stored as in HF.
+    permuted = config.architecture == "llama"
+    for tensor in reader.tensors:
+        if tensor.name in _GGUF_CONFIG_TENSORS:
+            continue
+        hf_name = gguf_to_hf_name(tensor.name)
+        array = dequantize_gguf_tensor(tensor)
+        if permuted and ".self_attn.q_proj." in hf_name:
+            array = unpermute_llama_rope_rows(array, config.num_heads)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            array = unpermute_llama_rope_rows(array, config.num_kv_heads)
+        if not array.flags.writeable:  # a view of the read-only memory map (F32 tensors)
+            array = array.copy()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+def build_model(
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> LlamaForCausalLM:
+    """Build the model on 'meta', allocate it once in ``dtype`` on ``device``, and load ``weights``.
+
+    Returns the model in eval mode with gradients off.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(weights)
+    model.eval()
+    model.requires_grad_(False)
+    return model
