@@ -1,0 +1,97 @@
+"""Model resolution (never unpickling), the embedded model, and configuration errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.config import ConfigError, load_settings
+from service.model_store import (
+    EMBEDDED_MODEL_NAME,
+    ModelNotFoundError,
+    PickledCheckpointError,
+    embedded_model_path,
+    install_embedded,
+    resolve_model,
+)
+
+
+def test_embedded_model_is_found_without_network(tmp_path: Path) -> None:
+    source = resolve_model(None, None, tmp_path)
+    assert source.kind == "gguf"
+    assert source.served_name == EMBEDDED_MODEL_NAME
+    assert source.path == embedded_model_path()
+    assert source.path.stat().st_size > 90_000_000
+
+
+def test_install_embedded_places_the_file(tmp_path: Path) -> None:
+    placed = install_embedded(tmp_path)
+    assert placed == tmp_path / EMBEDDED_MODEL_NAME / placed.name
+    assert placed.stat().st_size == embedded_model_path().stat().st_size
+    assert install_embedded(tmp_path) == placed  # idempotent
+    assert embedded_model_path(tmp_path) == placed
+
+
+def test_served_name_override(tmp_path: Path) -> None:
+    assert resolve_model(None, "my-model", tmp_path).served_name == "my-model"
+
+
+@pytest.mark.parametrize("name", ["model.bin", "model.pt", "model.pth", "model.ckpt"])
+def test_pickled_files_are_refused(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"\x80\x04")
+    with pytest.raises(PickledCheckpointError, match="never loaded"):
+        resolve_model(str(path), None, tmp_path)
+
+
+def test_directory_with_only_pickles_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(PickledCheckpointError, match=r"pytorch_model\.bin"):
+        resolve_model(str(tmp_path), None, tmp_path)
+
+
+def test_directory_without_config_or_weights(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"config\.json"):
+        resolve_model(str(tmp_path), None, tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        resolve_model(str(tmp_path), None, tmp_path)
+
+
+def test_nonexistent_path_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not an existing"):
+        resolve_model(str(tmp_path / "missing.gguf"), None, tmp_path)
+
+
+def test_uncached_hub_model_offline_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="not in the cache"):
+        resolve_model("some-org/some-model", None, tmp_path)
+
+
+def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NIM_SERVER_PORT", "9001")
+    monkeypatch.setenv("NIM_LOG_LEVEL", "debug")
+    monkeypatch.setenv("NIM_JSONL_LOGGING", "1")
+    settings = load_settings()
+    assert (settings.port, settings.log_level, settings.jsonl_logging) == (9001, "DEBUG", True)
+    assert load_settings(port=8123).port == 8123  # a flag beats the environment
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("NIM_SERVER_PORT", "eighty"),
+        ("NIM_SERVER_PORT", "70000"),
+        ("NIM_LOG_LEVEL", "LOUD"),
+        ("NIM_DTYPE", "int3"),
+    ],
+)
+def test_invalid_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert var in message and "\n" not in message

@@ -1,0 +1,149 @@
+"""Stop strings, finish reasons and sampling, without a server."""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+import pytest
+import torch
+
+from service.engine.output import OutputProcessor, StopStringMatcher
+from service.engine.protocol import SamplingParams
+from service.engine.torch.sampler import _top_p_filter, make_generator, sample
+
+
+def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
+    emitted = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        emitted.append(text)
+        if stopped:
+            return "".join(emitted), True
+    return "".join(emitted) + matcher.flush(), False
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "expected", "stopped"),
+    [
+        (["Hello", " wor", "ld!"], ("world",), "Hello ", True),
+        (["ab", "c"], ("bc",), "a", True),
+        (["a", "b", "c", "d"], ("bcd", "cd"), "a", True),  # earliest occurrence wins
+        (["no stop here"], ("zz",), "no stop here", False),
+        (["x"], (), "x", False),
+        (["END"], ("END",), "", True),
+        (["a\n", "\nb"], ("\n\n",), "a", True),
+    ],
+)
+def test_stop_strings_across_pieces(pieces, stop, expected, stopped) -> None:
+    assert feed_all(StopStringMatcher(stop), pieces) == (expected, stopped)
+
+
+def test_stop_string_property_random_split() -> None:
+    rng = random.Random(0)
+    alphabet = "abc "
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stops = tuple(
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+        )
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 5))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        # Generation stops at the first piece after which some stop string is complete, cut at the
+        # earliest occurrence present at that moment.
+        expected, seen = (text, False), ""
+        for piece in pieces:
+            seen += piece
+            hits = [i for i in (seen.find(s) for s in stops) if i >= 0]
+            if hits:
+                expected = (seen[: min(hits)], True)
+                break
+        assert feed_all(StopStringMatcher(stops), pieces) == expected, (text, stops, pieces)
+
+
+class FakeDetokenizer:
+    def __init__(self, vocab: dict[int, str]) -> None:
+        self.vocab = vocab
+
+    def add(self, ids) -> str:
+        return "".join(self.vocab[i] for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeTokenizer:
+    eos_token_ids = (0,)
+    vocab: ClassVar[dict[int, str]] = {0: "<eos>", 1: "a", 2: "b", 3: "STOP", 4: "c"}
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
+        return FakeDetokenizer(self.vocab)
+
+
+def run(params: SamplingParams, tokens: list[int], prompt_len: int = 3, max_model_len: int = 100):
+    proc = OutputProcessor(FakeTokenizer(), params, prompt_len, max_model_len)  # type: ignore[arg-type]
+    texts = []
+    for t in tokens:
+        text, reason = proc.process(t)
+        texts.append(text)
+        if reason:
+            return "".join(texts), reason, proc.num_generated
+    return "".join(texts), None, proc.num_generated
+
+
+def test_eos_stops_and_is_counted_but_not_shown() -> None:
+    assert run(SamplingParams(max_tokens=10), [1, 2, 0, 1]) == ("ab", "stop", 3)
+
+
+def test_ignore_eos_keeps_going() -> None:
+    assert run(SamplingParams(max_tokens=4, ignore_eos=True), [1, 0, 2, 4]) == ("a<eos>bc", "length", 4)
+
+
+def test_stop_token_ids_and_strings() -> None:
+    assert run(SamplingParams(max_tokens=10, stop_token_ids=(4,)), [1, 4, 2]) == ("a", "stop", 2)
+    assert run(SamplingParams(max_tokens=10, stop=("ST",)), [1, 3, 2]) == ("a", "stop", 2)
+
+
+def test_length_limits_by_max_tokens_and_context() -> None:
+    assert run(SamplingParams(max_tokens=2), [1, 2, 1]) == ("ab", "length", 2)
+    # 98-token prompt in a 100-token context leaves room for 2.
+    assert run(SamplingParams(max_tokens=50), [1, 2, 1], prompt_len=98) == ("ab", "length", 2)
+
+
+def test_greedy_sampling_is_argmax_and_seeded_rows_reproduce_in_any_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    seeded = SamplingParams(max_tokens=1, temperature=1.0, seed=42)
+    device = torch.device("cpu")
+    alone = sample(logits[1:2], [seeded], [make_generator(seeded, device)])
+    batch = sample(
+        logits[[0, 1, 2]],
+        [greedy, seeded, SamplingParams(max_tokens=1, temperature=0.7)],
+        [make_generator(greedy, device), make_generator(seeded, device), make_generator(greedy, device)],
+    )
+    assert batch[0] == int(torch.argmax(logits[0]))
+    assert batch[1] == alone[0]
+
+
+def test_top_p_keeps_smallest_set_reaching_mass() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = _top_p_filter(probs.clone(), 0.7)
+    assert torch.allclose(kept, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.count_nonzero(_top_p_filter(probs.clone(), 1e-9)) == 1
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=3)
+    generator = make_generator(params, torch.device("cpu"))
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sample(logits, [params], [generator])[0]] += 1
+    assert abs(counts[0] / 3000 - 0.7) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
+
+
+def test_invalid_sampling_params_are_refused() -> None:
+    for kwargs in ({"max_tokens": 0}, {"max_tokens": 1, "temperature": -1}, {"max_tokens": 1, "top_p": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
