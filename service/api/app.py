@@ -1,0 +1,123 @@
+"""The FastAPI application: routes, error handlers, HTTP metrics, and bringing the model up.
+
+The server listens at once (liveness answers while weights load); readiness turns 200 only
+after the model is loaded and warmed up. If bringing the model up fails, or the engine dies
+later, `on_fatal` is called so the process can exit non-zero and be restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import service
+from service.api import openai_routes, system_routes
+from service.api.errors import install_error_handlers
+from service.api.state import ModelInfo, Ready, ServiceState
+from service.config import Settings
+from service.engine.torch.loading import PRECISION_NAMES, load_torch_engine
+from service.metrics import Metrics
+from service.model_store import default_served_name, resolve_model
+
+log = logging.getLogger(__name__)
+
+FatalHandler = Callable[[str], None]
+
+
+def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> FastAPI:
+    served_name = settings.served_model_name or default_served_name(settings.model_name)
+    state = ServiceState(settings=settings, metrics=Metrics(served_name), served_name=served_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        bring_up = asyncio.create_task(_bring_up(state, on_fatal))
+        try:
+            yield
+        finally:
+            state.phase = "stopping"
+            bring_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await bring_up
+            if state.model is not None:
+                await state.model.engine.stop()
+
+    app = FastAPI(
+        title="nim-torch",
+        version=service.__version__,
+        description="OpenAI-compatible LLM inference service",
+        lifespan=lifespan,
+    )
+    app.state.service = state
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(system_routes.router)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
+    settings = state.settings
+    try:
+        source = await asyncio.to_thread(
+            resolve_model, settings.model_name, settings.served_model_name, settings.cache_path
+        )
+
+        def engine_died(exc: BaseException) -> None:
+            state.failure = f"engine failed: {exc}"
+            if on_fatal is not None:
+                on_fatal(state.failure)
+
+        engine = await asyncio.to_thread(load_torch_engine, source, settings, state.metrics, engine_died)
+        await engine.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.phase, state.failure = "failed", f"{exc.__class__.__name__}: {exc}"
+        log.error("could not bring the model up: %s", state.failure)
+        if on_fatal is not None:
+            on_fatal(state.failure)
+        return
+    info = ModelInfo(
+        served_name=state.served_name,
+        source=str(source.path),
+        architecture=engine.model_config.architecture,
+        max_model_len=engine.max_model_len,
+        llm_engine="torch",
+        precision=PRECISION_NAMES.get(engine.config.dtype, str(engine.config.dtype)),
+        device=engine.config.device.type,
+    )
+    state.model = Ready(engine=engine, tokenizer=engine.tokenizer, info=info)
+    if state.phase == "loading":
+        state.phase = "ready"
+        log.info("serving %s as %r (%s)", info.source, info.served_name, info.profile()["name"])
+
+
+class HTTPMetricsMiddleware:
+    """Counts requests by route template (not raw path: bounded label cardinality) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                route = scope.get("route")
+                path = getattr(route, "path", "unmatched")
+                self.metrics.observe_http(scope["method"], path, status, time.monotonic() - started)
+            await send(message)
+
+        await self.app(scope, receive, send_and_record)

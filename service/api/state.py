@@ -1,0 +1,66 @@
+"""What the API knows about the running service: settings, metrics, and the model once loaded."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from service.api.errors import APIError, service_unavailable
+from service.config import Settings
+from service.engine.protocol import Engine
+from service.metrics import Metrics
+from service.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model being served, as /v1/models and /v1/metadata describe it."""
+
+    served_name: str
+    source: str
+    architecture: str
+    max_model_len: int
+    llm_engine: str
+    precision: str
+    device: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def profile(self) -> dict[str, Any]:
+        tags = {
+            "llm_engine": self.llm_engine,
+            "precision": self.precision,
+            "tp": 1,
+            "pp": 1,
+            "device": self.device,
+        }
+        return {"name": f"{self.llm_engine}-{self.device}-{self.precision}-tp1-pp1", "tags": tags}
+
+
+@dataclass
+class Ready:
+    engine: Engine
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    metrics: Metrics
+    served_name: str
+    phase: Literal["loading", "ready", "failed", "stopping"] = "loading"
+    model: Ready | None = None
+    failure: str | None = None
+
+    def require_ready(self) -> Ready:
+        if self.phase == "ready" and self.model is not None and self.model.engine.ready:
+            return self.model
+        raise self.not_ready_error()
+
+    def not_ready_error(self) -> APIError:
+        if self.phase == "failed" or (self.model is not None and not self.model.engine.ready):
+            return service_unavailable(f"model failed: {self.failure or 'engine is not running'}", 30)
+        if self.phase == "stopping":
+            return service_unavailable("server is shutting down", 5)
+        return service_unavailable("model is loading; retry shortly", 5)

@@ -1,0 +1,95 @@
+"""Command line: `serve` (the default).
+
+Parses flags, builds the one Settings object, and runs the server. entrypoint.py and the
+`nim-torch` console script both land here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from service.config import ConfigError, Settings, load_settings
+from service.logging import configure_logging
+
+log = logging.getLogger("service")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nim-torch", description="NIM-style OpenAI-compatible LLM service")
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="serve the model over HTTP (default)")
+    _add_serve_flags(serve)
+    return parser
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", dest="model_name", help="overrides NIM_MODEL_NAME")
+    parser.add_argument("--served-model-name", help="overrides NIM_SERVED_MODEL_NAME")
+    parser.add_argument("--host", help="overrides NIM_SERVER_HOST (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help="overrides NIM_SERVER_PORT (default 8000)")
+    parser.add_argument("--max-model-len", type=int, help="overrides NIM_MAX_MODEL_LEN")
+    parser.add_argument("--dtype", help="overrides NIM_DTYPE")
+    parser.add_argument("--device", help="overrides NIM_DEVICE")
+    parser.add_argument("--log-level", help="overrides NIM_LOG_LEVEL")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        argv = ["serve", *argv]  # `serve` is the default command
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        settings = load_settings(**flags)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    configure_logging(settings.python_log_level, settings.jsonl_logging)
+    sys.exit(serve(settings))
+
+
+def serve(settings: Settings) -> int:
+    """Run until stopped; returns the process exit code (non-zero when the model failed)."""
+    from service.api.app import create_app
+
+    failure: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        failure.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.python_log_level.lower(),
+        timeout_graceful_shutdown=30,
+    )
+    server = uvicorn.Server(config)
+    _absorb_stop_signals()
+    log.info("listening on http://%s:%d", settings.host, settings.port)
+    server.run()
+    if failure:
+        log.error("exiting: %s", failure[0])
+        return 1
+    return 0
+
+
+def _absorb_stop_signals() -> None:
+    """SIGTERM/SIGINT mean "shut down gracefully", which uvicorn does; exit 0 afterwards.
+
+    uvicorn re-raises the signal it caught once it has shut down, to run the previous handler;
+    with the default handler that kills the process with -SIGTERM, which orchestrators read as
+    a crash. Our handler is the previous one, so the re-raise lands here and does nothing.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)

@@ -1,0 +1,111 @@
+"""Shared fixtures: a real server process on 127.0.0.1 serving the embedded model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EMBEDDED_NAME = "smollm2-135m-instruct"
+READY_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(
+    log_path: Path, env: dict[str, str] | None = None, args: list[str] | None = None
+) -> ServerProcess:
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
+    full_env.update({"NIM_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    log_file = log_path.open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "entrypoint.py"),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *(args or []),
+        ],
+        cwd=REPO,
+        env=full_env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
+    log_file.close()
+    return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_ready(server: ServerProcess, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/v1/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {timeout} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        wait_ready(proc)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(server: ServerProcess) -> str:
+    return server.base_url
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from service.model_store import embedded_model_path
+    from service.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(embedded_model_path())

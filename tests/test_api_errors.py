@@ -1,0 +1,136 @@
+"""Every error a client can cause, over real HTTP, in OpenAI's error shape; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import EMBEDDED_NAME
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def assert_error(response: httpx.Response, status: int, type_: str, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type_
+    assert error["code"] == code
+    return error
+
+
+@pytest.fixture(scope="module")
+def http(base_url: str) -> httpx.Client:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_unknown_model_is_404(http: httpx.Client, path: str) -> None:
+    body = {"model": "no-such-model", "messages": MESSAGES, "prompt": "Hi"}
+    error = assert_error(http.post(path, json=body), 404, "invalid_request_error", "model_not_found")
+    assert "no-such-model" in error["message"]
+    assert error["param"] == "model"
+
+
+def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"temperature": 3.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+        ),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_invalid_chat_parameters_are_400(http: httpx.Client, patch: dict, param: str) -> None:
+    body = {"model": EMBEDDED_NAME, "messages": MESSAGES, "max_tokens": 4, **patch}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, "invalid_request_error")
+    assert error["param"] == param, error
+
+
+def test_missing_field_is_400(http: httpx.Client) -> None:
+    error = assert_error(
+        http.post("/v1/chat/completions", json={"model": EMBEDDED_NAME}), 400, "invalid_request_error"
+    )
+    assert error["param"] == "messages"
+    error = assert_error(
+        http.post("/v1/completions", json={"model": EMBEDDED_NAME}), 400, "invalid_request_error"
+    )
+    assert error["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [{"prompt": ""}, {"prompt": []}, {"prompt": [999999]}, {"suffix": "x"}, {"logprobs": 9}, {"best_of": 3}],
+)
+def test_invalid_completion_parameters_are_400(http: httpx.Client, patch: dict) -> None:
+    body = {"model": EMBEDDED_NAME, "prompt": "Hi", "max_tokens": 4, **patch}
+    assert_error(http.post("/v1/completions", json=body), 400, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"model": "x", "messages": [', b"not json at all", b"", b"[1, 2, 3]", b'"a string"'],
+)
+def test_malformed_json_is_400(http: httpx.Client, raw: bytes) -> None:
+    response = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(response, 400, "invalid_request_error")
+
+
+def test_prompt_longer_than_context_names_both_numbers(http: httpx.Client, base_url: str) -> None:
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    long_text = "hello " * (max_len + 10)
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": long_text}]},
+    )
+    error = assert_error(response, 400, "invalid_request_error", "context_length_exceeded")
+    assert str(max_len) in error["message"]
+    prompt_tokens = int(error["message"].split("(")[1].split(" in the prompt")[0])
+    assert prompt_tokens > max_len
+    assert str(prompt_tokens) in error["message"]
+
+    response = http.post(
+        "/v1/completions", json={"model": EMBEDDED_NAME, "prompt": "Hi", "max_tokens": max_len}
+    )
+    error = assert_error(response, 400, "invalid_request_error", "context_length_exceeded")
+    assert str(max_len) in error["message"]
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    error = assert_error(http.get("/v1/nothing-here"), 404, "invalid_request_error")
+    assert "/v1/nothing-here" in error["message"]
+    assert_error(http.get("/v1/chat/completions"), 405, "invalid_request_error")
+
+
+def test_server_keeps_serving_after_errors(http: httpx.Client) -> None:
+    for _ in range(3):
+        http.post("/v1/chat/completions", content=b"{{{", headers={"content-type": "application/json"})
+    ok = http.post(
+        "/v1/chat/completions", json={"model": EMBEDDED_NAME, "messages": MESSAGES, "max_tokens": 2}
+    )
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] <= 2

@@ -1,0 +1,153 @@
+"""Health, readiness, metrics, version and metadata; start-up failures; a free event loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import EMBEDDED_NAME, start_server, wait_ready
+
+
+def test_live_and_ready(base_url: str) -> None:
+    assert httpx.get(f"{base_url}/v1/health/live").status_code == 200
+    ready = httpx.get(f"{base_url}/v1/health/ready")
+    assert ready.status_code == 200
+    assert ready.json()["message"] == "ready"
+
+
+def test_version_and_metadata(base_url: str) -> None:
+    version = httpx.get(f"{base_url}/v1/version").json()
+    assert version["release"]
+    meta = httpx.get(f"{base_url}/v1/metadata").json()
+    assert meta["modelInfo"][0]["shortName"] == EMBEDDED_NAME
+    assert meta["modelInfo"][0]["modelUrl"].endswith(".gguf")
+    profile = meta["selectedProfile"]
+    assert profile["tags"]["llm_engine"] == "torch"
+    assert profile["tags"]["precision"] in {"bf16", "fp32", "fp16"}
+    assert set(meta["versions"]) >= {"service", "torch", "python"}
+
+
+def test_metrics_count_requests_and_tokens(base_url: str) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base_url}/v1/metrics").text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model=EMBEDDED_NAME, prompt="Once upon a time", max_tokens=5, temperature=0
+    )
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    label = f'{{model_name="{EMBEDDED_NAME}"}}'
+    assert delta(f"vllm:prompt_tokens_total{label}") == out.usage.prompt_tokens
+    assert delta(f"vllm:generation_tokens_total{label}") == out.usage.completion_tokens
+    assert delta(f"vllm:e2e_request_latency_seconds_count{label}") == 1
+    assert delta(f"vllm:time_to_first_token_seconds_count{label}") == 1
+    assert delta(f"vllm:inter_token_latency_seconds_count{label}") == out.usage.completion_tokens - 1
+    reason = out.choices[0].finish_reason
+    assert (
+        delta(f'vllm:request_success_total{{finished_reason="{reason}",model_name="{EMBEDDED_NAME}"}}') == 1
+    )
+    assert delta('http_requests_total{method="POST",route="/v1/completions",status="200"}') == 1
+    assert after[f"vllm:num_requests_running{label}"] == 0
+    assert "num_requests_waiting" in after
+
+
+def test_event_loop_is_free_during_generation(base_url: str) -> None:
+    """Health checks answer promptly while the engine is busy generating."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    done = threading.Event()
+
+    def generate() -> None:
+        client.completions.create(
+            model=EMBEDDED_NAME,
+            prompt="Count: 1, 2, 3,",
+            max_tokens=150,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(0.5)
+    latencies = []
+    while not done.is_set() and len(latencies) < 20:
+        started = time.monotonic()
+        assert httpx.get(f"{base_url}/v1/health/live", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.05)
+    worker.join()
+    assert latencies, "generation finished before any probe"
+    latencies.sort()
+    # A blocked loop would hold each probe for the whole generation (seconds).
+    assert latencies[len(latencies) // 2] < 0.5, latencies
+
+
+def test_ready_is_503_until_loaded_and_live_meanwhile(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "log")
+    try:
+        saw_not_ready = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                ready = httpx.get(f"{server.base_url}/v1/health/ready", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if ready.status_code == 503:
+                saw_not_ready = True
+                assert ready.headers["retry-after"]
+                assert ready.json()["error"]["code"] == "service_unavailable"
+                assert httpx.get(f"{server.base_url}/v1/health/live").status_code == 200
+                body = {"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "hi"}]}
+                early = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
+                assert early.status_code in (503, 200)
+            else:
+                assert ready.status_code == 200
+                break
+            time.sleep(0.05)
+        assert saw_not_ready, "readiness never reported loading"
+        wait_ready(server)
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("kind", ["missing", "pickle-dir", "pickle-file"])
+def test_unloadable_model_exits_non_zero_with_reason(tmp_path: Path, kind: str) -> None:
+    if kind == "missing":
+        model, expect = str(tmp_path / "nope"), "is not an existing"
+    elif kind == "pickle-dir":
+        model_dir = tmp_path / "pickled"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        (model_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not-really-a-pickle")
+        model, expect = str(model_dir), "pickled"
+    else:
+        pickle = tmp_path / "weights.pt"
+        pickle.write_bytes(b"\x80\x04")
+        model, expect = str(pickle), "pickled"
+    server = start_server(tmp_path / "log", env={"NIM_MODEL_NAME": model})
+    code = server.process.wait(120)
+    assert code != 0
+    assert expect in server.log()
+
+
+def test_invalid_configuration_names_the_variable(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "log", env={"NIM_MAX_NUM_SEQS": "lots"})
+    assert server.process.wait(60) == 2
+    assert "NIM_MAX_NUM_SEQS" in server.log()
