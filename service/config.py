@@ -50,11 +50,6 @@ class Settings(BaseSettings):
     jsonl_logging: bool = Field(
         False, validation_alias=_env("NIM_JSONL_LOGGING"), description="Emit logs as JSON lines."
     )
-    disable_log_requests: bool = Field(
-        True,
-        validation_alias=_env("NIM_DISABLE_LOG_REQUESTS"),
-        description="Keep prompts and outputs out of the logs (default); 0 logs them at DEBUG.",
-    )
     cache_path: Path = Field(
         Path("~/.cache/nim").expanduser(),
         validation_alias=_env("NIM_CACHE_PATH"),

@@ -109,3 +109,19 @@ def embedded_tokenizer():
     from service.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(embedded_model_path())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` and `trtllm` tests skip, saying why, where their hardware or package is absent."""
+    import importlib.util
+
+    import torch
+
+    reasons = {
+        "gpu": None if torch.cuda.is_available() else "needs a CUDA device (none visible to PyTorch)",
+        "trtllm": None if importlib.util.find_spec("tensorrt_llm") else "needs tensorrt_llm (in the image)",
+    }
+    for item in items:
+        for marker, reason in reasons.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
