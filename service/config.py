@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -70,6 +71,43 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_MAX_NUM_SEQS"),
         description="Most requests generating at once; more wait in the queue.",
     )
+    max_num_batched_tokens: int = Field(
+        1024,
+        ge=16,
+        validation_alias=_env("NIM_MAX_NUM_BATCHED_TOKENS"),
+        description="Token budget of one engine step: decode tokens plus chunks of long prompts.",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        validation_alias=_env("NIM_KV_CACHE_DTYPE"),
+        description="KV cache element type; int8 and fp8 (e4m3) store about half the bytes of bf16.",
+    )
+    kv_cache_percent: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        validation_alias=_env("NIM_KV_CACHE_PERCENT"),
+        description="Share of free memory (after weights) for the KV cache, as a fraction (0.9) or "
+        "percent (90); default 0.9 on CUDA, 0.1 on CPU.",
+    )
+    kv_cache_max_tokens: int | None = Field(
+        None,
+        ge=16,
+        validation_alias=_env("NIM_KV_CACHE_MAX_TOKENS"),
+        description="Cap the KV cache at this many tokens (wins over the percentage when smaller).",
+    )
+    kv_block_size: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        validation_alias=_env("NIM_KV_BLOCK_SIZE"),
+        description="Tokens per KV cache block (the unit of allocation and prefix reuse).",
+    )
+    enable_kv_cache_reuse: bool = Field(
+        True,
+        validation_alias=_env("NIM_ENABLE_KV_CACHE_REUSE"),
+        description="Prefix caching: reuse the keys/values of identical prompt prefixes; 0 turns it off.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -86,6 +124,13 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def kv_cache_fraction(self) -> float | None:
+        """NIM_KV_CACHE_PERCENT as a fraction: values above 1 are percentages."""
+        if self.kv_cache_percent is None:
+            return None
+        return self.kv_cache_percent / 100 if self.kv_cache_percent > 1 else self.kv_cache_percent
 
     @property
     def python_log_level(self) -> str:

@@ -52,3 +52,38 @@ def available_cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory this process could still allocate on `device`.
+
+    On CPU: the kernel's MemAvailable, lowered to the cgroup's remaining allowance when the
+    container has a memory limit (what an orchestrator enforces, not what the host has).
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    available = _meminfo_available()
+    cgroup_room = _cgroup_room()
+    return min(available, cgroup_room) if cgroup_room is not None else available
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_room() -> int | None:
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((root / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None

@@ -70,6 +70,29 @@ class Metrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests.", [*m, "finished_reason"], registry=r
         )
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", m, registry=r
+        )
+        self.gpu_cache_usage = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV cache blocks in use (0-1); older name.", m, registry=r
+        )
+        self.nim_cache_usage = Gauge("gpu_cache_usage_perc", "KV cache blocks in use (0-1).", registry=r)
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Requests preempted for KV blocks.", m, registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r
+        )
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration (value 1).",
+            ["block_size", "num_gpu_blocks", "cache_dtype"],
+            registry=r,
+        )
+        self._prefix_seen = (0, 0)
         self.http_requests = Counter(
             "http_requests", "HTTP requests by route and status.", ["method", "route", "status"], registry=r
         )
@@ -83,11 +106,29 @@ class Metrics:
 
     # Engine-side observations ---------------------------------------------------------------
 
-    def set_queue_sizes(self, running: int, waiting: int) -> None:
+    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str) -> None:
+        self.cache_config_info.labels(str(block_size), str(num_blocks), cache_dtype).set(1)
+
+    def set_engine_state(
+        self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int
+    ) -> None:
+        """Called by the engine after each step; counters advance by what changed since last time."""
         self.num_requests_running.labels(self.model_name).set(running)
         self.num_requests_waiting.labels(self.model_name).set(waiting)
         self.nim_requests_running.set(running)
         self.nim_requests_waiting.set(waiting)
+        self.kv_cache_usage.labels(self.model_name).set(kv_usage)
+        self.gpu_cache_usage.labels(self.model_name).set(kv_usage)
+        self.nim_cache_usage.set(kv_usage)
+        seen_queries, seen_hits = self._prefix_seen
+        if prefix_queries > seen_queries:
+            self.prefix_cache_queries.labels(self.model_name).inc(prefix_queries - seen_queries)
+        if prefix_hits > seen_hits:
+            self.prefix_cache_hits.labels(self.model_name).inc(prefix_hits - seen_hits)
+        self._prefix_seen = (max(prefix_queries, seen_queries), max(prefix_hits, seen_hits))
+
+    def observe_preemptions(self, count: int) -> None:
+        self.num_preemptions.labels(self.model_name).inc(count)
 
     def observe_prefill(self, num_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_tokens)

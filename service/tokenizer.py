@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 
 from service.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
-from service.gguf_vocab import added_tokens, bos_eos_processor, build_backend, default_add_bos
+from service.gguf_vocab import added_tokens, bos_eos_processor, build_backend, byte_alphabet, default_add_bos
 
 __all__ = ["NO_CHAT_TEMPLATE", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 
@@ -141,6 +141,8 @@ class Tokenizer:
         added = self.backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._chat_templates = {name: ChatTemplate(source) for name, source in self.templates.items()}
+        byte_level = "ByteLevel" in repr(self.backend.decoder)
+        self._byte_decoder = {ch: b for b, ch in byte_alphabet().items()} if byte_level else None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -266,6 +268,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid UTF-8 (a model may emit any byte sequence) becomes U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (what OpenAI's logprobs `bytes` field reports)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_decoder is not None and all(ch in self._byte_decoder for ch in piece):
+            return bytes(self._byte_decoder[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def is_special(self, token_id: int) -> bool:
         """Whether the id is a special (control) token, i.e. one that skip_special_tokens drops."""

@@ -50,7 +50,14 @@ def start_server(
 ) -> ServerProcess:
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
-    full_env.update({"NIM_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    full_env.update(
+        {
+            "NIM_NUM_THREADS": "2",
+            "NIM_KV_CACHE_MAX_TOKENS": "32768",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     full_env.update(env or {})
     log_file = log_path.open("wb")
     process = subprocess.Popen(

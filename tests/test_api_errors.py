@@ -62,7 +62,17 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
             "messages.0.content",
         ),
         ({"presence_penalty": 5}, "presence_penalty"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 25, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 10}, "min_tokens"),
+        ({"stop_token_ids": [99999999]}, "stop_token_ids"),
+        ({"nvext": {"guided_json": {}}}, "nvext"),
     ],
 )
 def test_invalid_chat_parameters_are_400(http: httpx.Client, patch: dict, param: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import ClassVar
 
@@ -10,7 +11,7 @@ import torch
 
 from service.engine.output import OutputProcessor, StopStringMatcher
 from service.engine.protocol import SamplingParams
-from service.engine.torch.sampler import _top_p_filter, make_generator, sample
+from service.engine.torch.sampler import SamplingRow, _filtered_probs, make_generator, sample
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -110,36 +111,83 @@ def test_length_limits_by_max_tokens_and_context() -> None:
     assert run(SamplingParams(max_tokens=50), [1, 2, 1], prompt_len=98) == ("ab", "length", 2)
 
 
+def row(params: SamplingParams, tokens=(1, 2, 3), num_prompt: int = 3, end=frozenset({0})) -> SamplingRow:
+    return SamplingRow(params, make_generator(params, torch.device("cpu")), list(tokens), num_prompt, end)
+
+
 def test_greedy_sampling_is_argmax_and_seeded_rows_reproduce_in_any_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     greedy = SamplingParams(max_tokens=1, temperature=0)
     seeded = SamplingParams(max_tokens=1, temperature=1.0, seed=42)
-    device = torch.device("cpu")
-    alone = sample(logits[1:2], [seeded], [make_generator(seeded, device)])
+    alone = sample(logits[1:2].clone(), [row(seeded)])
     batch = sample(
-        logits[[0, 1, 2]],
-        [greedy, seeded, SamplingParams(max_tokens=1, temperature=0.7)],
-        [make_generator(greedy, device), make_generator(seeded, device), make_generator(greedy, device)],
+        logits[[0, 1, 2]].clone(),
+        [row(greedy), row(seeded), row(SamplingParams(max_tokens=1, temperature=0.7, top_k=5))],
     )
-    assert batch[0] == int(torch.argmax(logits[0]))
-    assert batch[1] == alone[0]
+    assert batch[0].token_id == int(torch.argmax(logits[0]))
+    assert batch[1].token_id == alone[0].token_id
 
 
 def test_top_p_keeps_smallest_set_reaching_mass() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    kept = _top_p_filter(probs.clone(), 0.7)
-    assert torch.allclose(kept, torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    assert torch.count_nonzero(_top_p_filter(probs.clone(), 1e-9)) == 1
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = _filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=0.7)])
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    assert torch.count_nonzero(_filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=1e-9)])) == 1
+
+
+def test_top_k_and_min_p_filters_per_row() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    params = [
+        SamplingParams(max_tokens=1, top_k=2),
+        SamplingParams(max_tokens=1, min_p=0.6),  # keeps p >= 0.6 * 0.4
+        SamplingParams(max_tokens=1),
+    ]
+    probs = _filtered_probs(logits, params)
+    assert torch.count_nonzero(probs[0]) == 2 and torch.allclose(probs[0, :2], torch.tensor([4 / 7, 3 / 7]))
+    assert torch.count_nonzero(probs[1]) == 2
+    assert torch.allclose(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))
+
+
+def test_temperature_sharpens() -> None:
+    logits = torch.log(torch.tensor([[0.6, 0.4]]))
+    probs = _filtered_probs(logits, [SamplingParams(max_tokens=1, temperature=0.5)])
+    assert torch.allclose(probs, torch.tensor([[0.36 / 0.52, 0.16 / 0.52]]))
+
+
+def test_penalties_bias_and_min_tokens() -> None:
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5, 3.0]])
+    # Token 4 is generated twice, token 2 once; token 1 only in the prompt.
+    tokens = [1, 4, 2, 4]
+    rep = sample(
+        logits.clone(), [row(SamplingParams(max_tokens=9, temperature=0, repetition_penalty=4.0), tokens, 1)]
+    )
+    # Seen tokens (prompt and output): 1 -> 2/4, 4 -> 3/4, 2 -> -1*4; unseen 0 stays 1.0 and wins.
+    assert rep[0].token_id == 0
+    freq = SamplingParams(max_tokens=9, temperature=0, frequency_penalty=2.0)
+    assert sample(logits.clone(), [row(freq, tokens, 1)])[0].token_id == 1  # 4: 3 - 4 = -1
+    presence = SamplingParams(max_tokens=9, temperature=0, presence_penalty=2.0)
+    assert sample(logits.clone(), [row(presence, tokens, 1)])[0].token_id == 1  # 4: 3 - 2 = 1 < 2
+    bias = SamplingParams(max_tokens=9, temperature=0, logit_bias={2: 10.0})
+    assert sample(logits.clone(), [row(bias)])[0].token_id == 2
+    min_tokens = SamplingParams(max_tokens=9, temperature=0, min_tokens=2)
+    assert sample(logits.clone(), [row(min_tokens, [1, 2, 3], 2, frozenset({4}))])[0].token_id == 1
+
+
+def test_logprobs_are_the_models_and_ranked() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    out = sample(logits.clone(), [row(SamplingParams(max_tokens=1, temperature=0, logprobs=2))])[0]
+    assert out.token_id == 0 and out.logprob is not None
+    assert out.logprob.rank == 1 and abs(out.logprob.logprob - math.log(0.5)) < 1e-5
+    assert [t for t, _ in out.logprob.top] == [0, 1]
 
 
 def test_sampling_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    params = SamplingParams(max_tokens=1, temperature=1.0, seed=3)
-    generator = make_generator(params, torch.device("cpu"))
+    r = row(SamplingParams(max_tokens=1, temperature=1.0, seed=3))
     counts = [0, 0, 0]
     for _ in range(3000):
-        counts[sample(logits, [params], [generator])[0]] += 1
+        counts[sample(logits.clone(), [r])[0].token_id] += 1
     assert abs(counts[0] / 3000 - 0.7) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
 
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from service.api.errors import APIError, invalid_request
-from service.api.schemas import SamplingFields
-from service.engine.protocol import Engine, GenerationRequest, RequestOutput, SamplingParams
+from service.api.schemas import SamplingFields, Usage
+from service.engine.protocol import Engine, GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -39,27 +39,61 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     return room if max_tokens is None else max_tokens
 
 
-def reject_unsupported(request: SamplingFields) -> None:
-    """Known OpenAI fields this engine does not implement yet: refuse rather than ignore."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value not in (None, 0, 0.0):
-            raise invalid_request(f"{name} is not supported by this server yet", name)
-    if request.logit_bias:
-        raise invalid_request("logit_bias is not supported by this server yet", "logit_bias")
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What logprobs a request asked for, in engine terms (None: none)."""
+
+    sampled: int | None = None
+    prompt: int | None = None
 
 
-def sampling_params(request: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
+def sampling_params(
+    request: SamplingFields, max_tokens: int, choice: int, vocab_size: int, logprobs: LogprobRequest
+) -> SamplingParams:
+    """Map OpenAI/vLLM/nvext fields onto engine parameters; 400 for values the model cannot take."""
+    nvext = request.nvext
+    top_k = request.top_k if request.top_k is not None else (nvext.top_k if nvext else None)
+    repetition = request.repetition_penalty
+    if repetition is None and nvext is not None:
+        repetition = nvext.repetition_penalty
+    ignore_eos = request.ignore_eos or bool(nvext and nvext.ignore_eos)
+    min_tokens = request.min_tokens or (nvext.min_tokens or 0 if nvext else 0)
+    logit_bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+    for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", request.stop_token_ids or [])):
+        if any(t >= vocab_size for t in ids):
+            raise invalid_request(f"{name} names a token id outside the vocabulary [0, {vocab_size})", name)
+    if min_tokens > max_tokens:
+        raise invalid_request(f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
     # Seeded requests with n > 1 give each choice its own (still reproducible) stream.
     seed = None if request.seed is None else request.seed + choice
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k or 0,
+        min_p=request.min_p or 0.0,
+        repetition_penalty=repetition or 1.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=logit_bias,
         seed=seed,
         stop=request.stop_list(),
-        ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        logprobs=logprobs.sampled,
+        prompt_logprobs=logprobs.prompt,
+        skip_special_tokens=request.skip_special_tokens,
     )
+
+
+def reject_unsupported(request: SamplingFields) -> None:
+    """Known fields this server does not implement yet: refuse rather than ignore."""
+    if request.nvext is not None:
+        guided = [k for k in (request.nvext.model_extra or {}) if k.startswith("guided_")]
+        if guided:
+            raise invalid_request(f"nvext.{guided[0]} (structured output) is not supported yet", "nvext")
 
 
 @dataclass
@@ -68,7 +102,35 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     pieces: list[str] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.pieces.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_generated_tokens = out.num_generated_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.text = "".join(self.pieces)
+
+
+def usage(prompt_lengths: Sequence[int], completion_tokens: int, cached_tokens: int) -> Usage:
+    prompt_tokens = sum(prompt_lengths)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details={"cached_tokens": cached_tokens},
+    )
 
 
 def engine_error(out: RequestOutput) -> APIError:
@@ -125,18 +187,17 @@ async def collect(engine: Engine, requests: Sequence[GenerationRequest]) -> list
     async for index, out in merged(engine, requests):
         if out.error is not None or out.finish_reason == "abort":
             raise engine_error(out)
-        result = results[index]
-        result.pieces.append(out.text)
-        result.num_prompt_tokens = out.num_prompt_tokens
-        result.num_generated_tokens = out.num_generated_tokens
-        if out.finished:
-            result.finish_reason = out.finish_reason
-            result.text = "".join(result.pieces)
+        results[index].add(out)
     return results
 
 
 def build_requests(
-    request_id: str, prompts: Sequence[list[int]], request: SamplingFields, max_tokens: Sequence[int]
+    request_id: str,
+    prompts: Sequence[list[int]],
+    request: SamplingFields,
+    max_tokens: Sequence[int],
+    vocab_size: int,
+    logprobs: LogprobRequest,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice); choice index = prompt_index * n + j."""
     now = time.monotonic()
@@ -144,7 +205,7 @@ def build_requests(
         GenerationRequest(
             request_id=f"{request_id}-{p * request.n + j}",
             prompt_token_ids=prompt,
-            sampling=sampling_params(request, max_tokens[p], j),
+            sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs),
             arrival_time=now,
         )
         for p, prompt in enumerate(prompts)

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from service.api.errors import APIError, error_body, invalid_request, model_not_found
 from service.api.generation import (
+    LogprobRequest,
     build_requests,
     check_context,
     collect,
@@ -20,7 +21,9 @@ from service.api.generation import (
     merged,
     new_id,
     reject_unsupported,
+    usage,
 )
+from service.api.logprobs import chat_logprobs, completion_logprobs
 from service.api.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,7 +38,6 @@ from service.api.schemas import (
     ModelCard,
     ModelList,
     ResponseMessage,
-    Usage,
 )
 from service.api.state import Ready, ServiceState
 from service.engine.protocol import GenerationRequest
@@ -72,16 +74,19 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
+# --- Chat ----------------------------------------------------------------------------------------
+
+
 @router.post("/chat/completions", response_model=ChatCompletionResponse)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
     reject_unsupported(body)
-    if body.logprobs:
-        raise invalid_request("logprobs are not supported by this server yet", "logprobs")
     if body.tools and body.tool_choice != "none":
         raise invalid_request("tool calling is not supported by this server yet", "tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise invalid_request("response_format other than text is not supported yet", "response_format")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
     messages = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
@@ -96,24 +101,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param)
 
     request_id = new_id("chatcmpl")
-    engine_requests = build_requests(request_id, [prompt], body, [budget])
+    logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
+    engine_requests = build_requests(
+        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs
+    )
     if body.stream:
         return _sse(_chat_stream(ready, body, request_id, engine_requests, len(prompt)))
 
     results = await collect(ready.engine, engine_requests)
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ResponseMessage(content=r.text),
+            finish_reason=r.finish_reason,
+            logprobs=chat_logprobs(ready.tokenizer, r.logprobs) if body.logprobs else None,
+        )
+        for i, r in enumerate(results)
+    ]
     completion_tokens = sum(r.num_generated_tokens for r in results)
     return ChatCompletionResponse(
         id=request_id,
         model=body.model,
-        choices=[
-            ChatChoice(index=i, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason)
-            for i, r in enumerate(results)
-        ],
-        usage=Usage(
-            prompt_tokens=len(prompt),
-            completion_tokens=completion_tokens,
-            total_tokens=len(prompt) + completion_tokens,
-        ),
+        choices=choices,
+        usage=usage([len(prompt)], completion_tokens, results[0].num_cached_tokens),
     )
 
 
@@ -126,37 +136,41 @@ async def _chat_stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[ChatChunkChoice], usage_=None) -> str:
         payload = ChatCompletionChunk(
-            id=request_id, created=created, model=body.model, choices=choices, usage=usage
+            id=request_id, created=created, model=body.model, choices=choices, usage=usage_
         )
         return _sse_data(payload, include_usage=body.include_usage)
 
     for i in range(len(requests)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     completion_tokens = [0] * len(requests)
+    cached = 0
     async for index, out in merged(ready.engine, requests):
         if out.error is not None or out.finish_reason == "abort":
             yield _sse_error(engine_error(out))
             return
         completion_tokens[index] = out.num_generated_tokens
-        if out.text:
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=out.text))])
+        cached = out.num_cached_tokens if index == 0 else cached
+        logprobs = chat_logprobs(ready.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
+        if out.text or logprobs:
+            yield chunk(
+                [ChatChunkChoice(index=index, delta=DeltaMessage(content=out.text), logprobs=logprobs)]
+            )
         if out.finished:
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=out.finish_reason)])
     if body.include_usage:
-        total = sum(completion_tokens)
-        usage = Usage(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
-        yield chunk([], usage)
+        yield chunk([], usage([num_prompt], sum(completion_tokens), cached))
     yield "data: [DONE]\n\n"
+
+
+# --- Completions ---------------------------------------------------------------------------------
 
 
 @router.post("/completions", response_model=CompletionResponse)
 async def completions(body: CompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
     reject_unsupported(body)
-    if body.logprobs is not None:
-        raise invalid_request("logprobs are not supported by this server yet", "logprobs")
     if body.suffix:
         raise invalid_request("suffix is not supported by this model", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -171,25 +185,38 @@ async def completions(body: CompletionRequest, request: Request):
     echoes = [ready.tokenizer.decode(p, skip_special_tokens=False) if body.echo else "" for p in prompts]
 
     request_id = new_id("cmpl")
-    engine_requests = build_requests(request_id, prompts, body, budgets)
-    num_prompt = sum(len(p) for p in prompts)
+    logprobs = LogprobRequest(
+        sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
+    )
+    engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs)
     if body.stream:
-        return _sse(_completion_stream(ready, body, request_id, engine_requests, echoes, num_prompt))
+        return _sse(_completion_stream(ready, body, request_id, engine_requests, prompts, echoes))
 
     results = await collect(ready.engine, engine_requests)
+    choices = []
+    for i, r in enumerate(results):
+        prompt = prompts[i // body.n]
+        choice_logprobs = None
+        if body.logprobs is not None:
+            ids, entries = list(r.token_ids), list(r.logprobs)
+            if body.echo:
+                ids, entries = [*prompt, *ids], [*(r.prompt_logprobs or [None] * len(prompt)), *entries]
+            choice_logprobs = completion_logprobs(ready.tokenizer, ids, entries)
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=echoes[i // body.n] + r.text,
+                finish_reason=r.finish_reason,
+                logprobs=choice_logprobs,
+            )
+        )
     completion_tokens = sum(r.num_generated_tokens for r in results)
+    cached = sum(r.num_cached_tokens for i, r in enumerate(results) if i % body.n == 0)
     return CompletionResponse(
         id=request_id,
         model=body.model,
-        choices=[
-            CompletionChoice(index=i, text=echoes[i // body.n] + r.text, finish_reason=r.finish_reason)
-            for i, r in enumerate(results)
-        ],
-        usage=Usage(
-            prompt_tokens=num_prompt,
-            completion_tokens=completion_tokens,
-            total_tokens=num_prompt + completion_tokens,
-        ),
+        choices=choices,
+        usage=usage([len(p) for p in prompts], completion_tokens, cached),
     )
 
 
@@ -202,7 +229,7 @@ def _completion_prompts(body: CompletionRequest, ready: Ready) -> list[list[int]
     else:
         texts = None
     if texts is not None:
-        if not texts:
+        if not texts or any(not t for t in texts):
             raise invalid_request("prompt must not be empty", "prompt")
         return [ready.tokenizer.encode(t, add_special_tokens=True) for t in texts]
     if not prompt:
@@ -217,33 +244,44 @@ async def _completion_stream(
     body: CompletionRequest,
     request_id: str,
     requests: list[GenerationRequest],
+    prompts: list[list[int]],
     echoes: list[str],
-    num_prompt: int,
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list[CompletionChoice], usage_=None) -> str:
         payload = CompletionResponse(
-            id=request_id, created=created, model=body.model, choices=choices, usage=usage
+            id=request_id, created=created, model=body.model, choices=choices, usage=usage_
         )
         return _sse_data(payload, include_usage=body.include_usage)
 
-    if body.echo:
-        for i in range(len(requests)):
-            yield chunk([CompletionChoice(index=i, text=echoes[i // body.n], finish_reason=None)])
     completion_tokens = [0] * len(requests)
+    cached = [0] * len(requests)
+    echoed = [not body.echo] * len(requests)
     async for index, out in merged(ready.engine, requests):
         if out.error is not None or out.finish_reason == "abort":
             yield _sse_error(engine_error(out))
             return
         completion_tokens[index] = out.num_generated_tokens
-        if out.text or out.finished:
-            yield chunk([CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason)])
+        cached[index] = out.num_cached_tokens
+        text, ids, entries = out.text, list(out.token_ids), list(out.logprobs or [])
+        if not echoed[index]:  # the prompt goes out with the choice's first chunk
+            prompt = prompts[index // body.n]
+            text = echoes[index // body.n] + text
+            ids, entries = [*prompt, *ids], [*(out.prompt_logprobs or [None] * len(prompt)), *entries]
+            echoed[index] = True
+        logprobs = completion_logprobs(ready.tokenizer, ids, entries) if body.logprobs is not None else None
+        if text or out.finished or logprobs:
+            yield chunk(
+                [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=logprobs)]
+            )
     if body.include_usage:
-        total = sum(completion_tokens)
-        usage = Usage(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
-        yield chunk([], usage)
+        cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
+        yield chunk([], usage([len(p) for p in prompts], sum(completion_tokens), cached_total))
     yield "data: [DONE]\n\n"
+
+
+# --- Server-sent events --------------------------------------------------------------------------
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -269,4 +307,6 @@ def _sse_data(payload: BaseModel, include_usage: bool) -> str:
 
 def _sse_error(err: APIError) -> str:
     """An error frame (the official client raises on it), then the end of the stream."""
-    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\ndata: [DONE]\n\n"
+    return (
+        f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n" + "data: [DONE]\n\n"
+    )

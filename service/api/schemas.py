@@ -44,8 +44,19 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class NVExt(BaseModel):
+    """NIM's request extension object; the sampling knobs it carries mirror the top-level extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
 class SamplingFields(_Request):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests (OpenAI's, then vLLM's extras)."""
 
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -57,9 +68,18 @@ class SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
-    ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence
+    # vLLM extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    nvext: NVExt | None = None
 
     @field_validator("stop")
     @classmethod
@@ -67,6 +87,14 @@ class SamplingFields(_Request):
         items = [value] if isinstance(value, str) else (value or [])
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
     def stop_list(self) -> tuple[str, ...]:
@@ -102,6 +130,27 @@ class CompletionRequest(SamplingFields):
 # --- Responses ---------------------------------------------------------------------------------
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -125,7 +174,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -147,7 +196,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -164,7 +213,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -18,18 +18,23 @@ class StopStringMatcher:
     always starts inside `pending + new`.
     """
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], include_in_output: bool = False) -> None:
         self.stop = tuple(s for s in stop if s)
+        self.include_in_output = include_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was found)."""
+    def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was found).
+
+        With `check` False (before min_tokens) text passes through the hold-back buffer unmatched.
+        """
         buffer = self.pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0] if check else []
         if hits:
             self.pending = ""
-            return buffer[: min(hits)], True
+            start, length = min(hits)
+            return buffer[: start + length if self.include_in_output else start], True
         keep = min(self.hold, len(buffer))
         self.pending = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
@@ -51,7 +56,7 @@ class OutputProcessor:
     ) -> None:
         self.params = params
         self.detokenizer: IncrementalDetokenizer = tokenizer.detokenizer(params.skip_special_tokens)
-        self.stop_strings = StopStringMatcher(params.stop)
+        self.stop_strings = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
@@ -64,7 +69,8 @@ class OutputProcessor:
         if token_id in self.stop_token_ids:
             # The stop token counts as generated but is never part of the text.
             return self._finish("stop")
-        text, stopped = self.stop_strings.feed(self.detokenizer.add([token_id]))
+        check = self.num_generated >= self.params.min_tokens
+        text, stopped = self.stop_strings.feed(self.detokenizer.add([token_id]), check)
         if stopped:
             return text, "stop"
         if self.num_generated >= self.max_generated:

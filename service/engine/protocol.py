@@ -21,10 +21,20 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; n: the chosen token's plus n alternatives
+    prompt_logprobs: int | None = None  # same, for every prompt token after the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -34,10 +44,28 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (no limit) or positive")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, its rank, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +88,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
+    num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
 
 
 @dataclass

@@ -1,14 +1,14 @@
-"""The PyTorch engine: one thread runs the model step by step; the event loop never waits on it.
+"""The PyTorch engine: one thread runs the step loop; the event loop never waits on it.
 
 Step loop (all on the engine thread):
-  1. take new requests and aborts from the inbox (block only when there is nothing to do);
-  2. prefill at most one waiting request (first come, first served) if fewer than
-     `max_num_seqs` are running, sampling its first token;
-  3. decode one token for every running request in a single batched forward pass;
-  4. detokenize, check stop conditions, and post each request's delta to its asyncio queue.
-
-Requests join and leave the running batch between steps (inflight batching). A request owns a
-dense KV cache that is dropped the moment it finishes or is aborted.
+  1. apply new requests and aborts from the inbox (block only when there is nothing to do), so
+     an abort frees its blocks before the next step is scheduled;
+  2. the scheduler picks this step's work: decode tokens of running requests and chunks of
+     waiting prompts, under one token budget, with blocks from the paged KV cache;
+  3. the model runs once over the whole mixed batch;
+  4. requests whose chunk completed sample a token; output processing detokenizes, checks stop
+     conditions and posts each request's delta to its asyncio queue; finished requests free
+     their blocks at once.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +33,16 @@ from service.engine.protocol import (
     FinishReason,
     GenerationRequest,
     RequestOutput,
+    SamplingParams,
+    TokenLogprob,
 )
-from service.engine.torch.kv_cache import DecodeAttention, PrefillAttention, SequenceKVCache
-from service.engine.torch.sampler import make_generator, sample
+from service.engine.torch.block_pool import BlockPool
+from service.engine.torch.kv_cache_manager import KVCacheManager
+from service.engine.torch.kv_pool import KVCacheSpec, KVPool
+from service.engine.torch.model_runner import ModelRunner, StepLogits
+from service.engine.torch.request import Request
+from service.engine.torch.sampler import SamplingRow, make_generator, sample, token_logprob
+from service.engine.torch.scheduler import Scheduler, SchedulerConfig
 from service.metrics import Metrics
 from service.tokenizer import Tokenizer
 
@@ -46,28 +52,29 @@ Sink = Callable[[RequestOutput], None]
 IDLE_POLL_SECONDS = 0.5
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    kv_spec: KVCacheSpec
+    enable_prefix_caching: bool
     device: torch.device
     dtype: torch.dtype
 
 
 @dataclass
-class Sequence:
-    request: GenerationRequest
-    sink: Sink
+class _Live:
+    """Engine-thread state of one request beside its scheduler state."""
+
+    request: Request
     output: OutputProcessor
     generator: torch.Generator
-    cache: SequenceKVCache | None = None
-    token_ids: list[int] = field(default_factory=list)  # prompt + generated
-    num_generated: int = 0
+    end_token_ids: frozenset[int]
     last_token_time: float = 0.0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,13 +104,21 @@ class TorchEngine:
         self.config = config
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.kv_spec.block_size)
+        self.kv_pool = KVPool(config.kv_spec, config.num_blocks, config.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
+        )
+        self.runner = ModelRunner(model, self.kv_pool, self.kv, config.device)
+        self._live: dict[str, _Live] = {}
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._ready = False
         self._stopping = False
         self._fatal: BaseException | None = None
+        if metrics is not None:
+            metrics.set_cache_config(config.kv_spec.block_size, config.num_blocks, config.kv_spec.name)
 
     # --- Engine protocol (event-loop side) ------------------------------------------------------
 
@@ -123,7 +138,6 @@ class TorchEngine:
 
     async def stop(self) -> None:
         self._ready = False
-        self._stopping = True
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
@@ -154,7 +168,11 @@ class TorchEngine:
         self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self._running), num_waiting=len(self._waiting))
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            extra={"kv_cache_usage": self.pool.usage, "num_free_blocks": float(self.pool.num_free)},
+        )
 
     # --- Engine thread ----------------------------------------------------------------------------
 
@@ -163,12 +181,10 @@ class TorchEngine:
         try:
             with torch.inference_mode():
                 while not self._stopping:
-                    self._drain_inbox(block=not (self._running or self._waiting))
+                    self._drain_inbox(block=not self.scheduler.has_work())
                     if self._stopping:
                         break
-                    self._prefill_one()
-                    self._decode_running()
-                    self._publish_queue_sizes()
+                    self._step()
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step loop failed")
             self._fatal = exc
@@ -176,7 +192,7 @@ class TorchEngine:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
             return
-        self._fail_all("server shutting down", reason="abort")
+        self._fail_all("server shutting down")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -194,157 +210,185 @@ class TorchEngine:
         if item is None:
             self._stopping = True
         elif isinstance(item, _Submit):
-            num_prompt = len(item.request.prompt_token_ids)
-            if not 0 < num_prompt < self.config.max_model_len:
-                error = (
-                    f"prompt of {num_prompt} tokens does not fit the context of {self.config.max_model_len}"
-                )
-                item.sink(RequestOutput(item.request.request_id, "", [], num_prompt, 0, True, "abort", error))
-                return
-            self._waiting.append(self._new_sequence(item))
+            self._admit(item)
         else:
-            self._drop(item.request_id)
+            request = self.scheduler.abort(item.request_id)
+            live = self._live.pop(item.request_id, None)
+            if request is not None and live is not None:
+                self._emit(live, "", [], finish_reason="abort")
+            self._publish_stats()
 
-    def _new_sequence(self, item: _Submit) -> Sequence:
-        request = item.request
-        return Sequence(
+    def _admit(self, item: _Submit) -> None:
+        gen = item.request
+        num_prompt = len(gen.prompt_token_ids)
+        if not 0 < num_prompt < self.config.max_model_len:
+            error = f"prompt of {num_prompt} tokens does not fit the context of {self.config.max_model_len}"
+            item.sink(RequestOutput(gen.request_id, "", [], num_prompt, 0, True, "abort", error))
+            return
+        if gen.request_id in self._live:
+            item.sink(
+                RequestOutput(gen.request_id, "", [], num_prompt, 0, True, "abort", "duplicate request id")
+            )
+            return
+        params = gen.sampling
+        output = OutputProcessor(self.tokenizer, params, num_prompt, self.config.max_model_len)
+        request = Request.from_generation(gen, item.sink)
+        self._live[gen.request_id] = _Live(
             request=request,
-            sink=item.sink,
-            output=OutputProcessor(
-                self.tokenizer, request.sampling, len(request.prompt_token_ids), self.config.max_model_len
-            ),
-            generator=make_generator(request.sampling, self.config.device),
-            token_ids=list(request.prompt_token_ids),
+            output=output,
+            generator=make_generator(params, self.config.device),
+            end_token_ids=output.stop_token_ids,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        self.scheduler.add(request)
 
-    def _drop(self, request_id: str) -> None:
-        """Abort: forget the request and free its cache at once."""
-        for seqs in (self._waiting, self._running):
-            for seq in list(seqs):
-                if seq.request_id == request_id:
-                    seqs.remove(seq)
-                    seq.cache = None
-                    self._emit(seq, "", [], finish_reason="abort")
-
-    def _prefill_one(self) -> None:
-        if not self._waiting or len(self._running) >= self.config.max_num_seqs:
+    def _step(self) -> None:
+        scheduled = self.scheduler.schedule()
+        if scheduled.preempted and self.metrics is not None:
+            self.metrics.observe_preemptions(len(scheduled.preempted))
+        if not scheduled.chunks:
             return
-        seq = self._waiting.popleft()
-        prompt = seq.token_ids
-        seq.cache = self._new_cache()
-        logits = self._forward_prefill(seq.cache, prompt)
-        if self.metrics is not None:
-            self.metrics.observe_prefill(len(prompt))
-        self._running.append(seq)
-        self._append_tokens([seq], logits)
+        step = self.runner.execute(scheduled.chunks)
+        self._collect_prompt_logprobs(step)
+        self.scheduler.step_done(scheduled)
+        self._sample_and_emit(step)
+        self._publish_stats()
 
-    def _decode_running(self) -> None:
-        # Invariant: a running sequence's cache holds all its tokens but the last sampled one.
-        batch = list(self._running)
-        if not batch:
+    def _collect_prompt_logprobs(self, step: StepLogits) -> None:
+        for chunk, (first, _) in zip(step.chunks, step.rows, strict=True):
+            live = self._live[chunk.request.request_id]
+            if live.prompt_logprobs is None:
+                continue
+            request = chunk.request
+            start = chunk.start
+            # Row j predicts token start + j + 1; keep those still inside the prompt.
+            for j in range(chunk.num_tokens):
+                target = start + j + 1
+                if target >= request.num_prompt_tokens or target < len(live.prompt_logprobs):
+                    continue
+                logprobs = torch.log_softmax(step.logits[first + j], dim=-1)
+                top_n = request.sampling.prompt_logprobs or 0
+                live.prompt_logprobs.append(token_logprob(logprobs, request.token_ids[target], top_n))
+
+    def _sample_and_emit(self, step: StepLogits) -> None:
+        completing = [(c, end - 1) for c, (_, end) in zip(step.chunks, step.rows, strict=True) if c.completes]
+        if not completing:
             return
-        caches = [seq.cache for seq in batch if seq.cache is not None]
-        logits = self._forward_decode(caches, [seq.token_ids[-1] for seq in batch])
-        self._append_tokens(batch, logits)
-
-    def _append_tokens(self, batch: list[Sequence], logits: torch.Tensor) -> None:
-        # logits: [B, V]
-        token_ids = sample(logits, [s.request.sampling for s in batch], [s.generator for s in batch])
+        lives = [self._live[c.request.request_id] for c, _ in completing]
+        index = torch.tensor([row for _, row in completing], dtype=torch.long, device=step.logits.device)
+        logits = step.logits.index_select(0, index)  # [B, V]
+        rows = [
+            SamplingRow(
+                params=live.request.sampling,
+                generator=live.generator,
+                token_ids=live.request.token_ids,
+                num_prompt_tokens=live.request.num_prompt_tokens,
+                end_token_ids=live.end_token_ids,
+            )
+            for live in lives
+        ]
+        sampled = sample(logits, rows)
         now = time.monotonic()
-        for seq, token_id in zip(batch, token_ids, strict=True):
-            seq.token_ids.append(token_id)
-            seq.num_generated += 1
-            first = seq.num_generated == 1
+        for live, token in zip(lives, sampled, strict=True):
+            request = live.request
+            request.token_ids.append(token.token_id)
+            first = request.num_generated == 1
             if self.metrics is not None:
-                previous = seq.request.arrival_time if first else seq.last_token_time
+                if first:
+                    self.metrics.observe_prefill(request.num_prompt_tokens)
+                previous = request.arrival_time if first else live.last_token_time
                 self.metrics.observe_token(first, now - previous)
-            seq.last_token_time = now
-            text, reason = seq.output.process(token_id)
+            live.last_token_time = now
+            text, reason = live.output.process(token.token_id)
             if reason is not None:
-                self._running.remove(seq)
-                seq.cache = None
-            self._emit(seq, text, [token_id], finish_reason=reason)
+                self.scheduler.finish(request)
+                del self._live[request.request_id]
+            self._emit(live, text, [token.token_id], reason, [token.logprob] if token.logprob else None)
 
     def _emit(
-        self, seq: Sequence, text: str, token_ids: list[int], finish_reason: FinishReason | None
+        self,
+        live: _Live,
+        text: str,
+        token_ids: list[int],
+        finish_reason: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        num_prompt = len(seq.request.prompt_token_ids)
+        request = live.request
+        prompt_logprobs = None
+        if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
+            prompt_logprobs, live.prompt_logprobs_sent = live.prompt_logprobs, True
         if finish_reason is not None and self.metrics is not None:
             self.metrics.observe_finished(
-                finish_reason, time.monotonic() - seq.request.arrival_time, num_prompt, seq.num_generated
+                finish_reason,
+                time.monotonic() - request.arrival_time,
+                request.num_prompt_tokens,
+                request.num_generated,
             )
-        seq.sink(
+        request.sink(
             RequestOutput(
-                request_id=seq.request_id,
+                request_id=request.request_id,
                 text=text,
                 token_ids=token_ids,
-                num_prompt_tokens=num_prompt,
-                num_generated_tokens=seq.num_generated,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_generated_tokens=request.num_generated,
                 finished=finish_reason is not None,
                 finish_reason=finish_reason,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens,
             )
         )
 
-    def _fail_all(self, message: str, reason: FinishReason = "abort") -> None:
-        for seq in [*self._waiting, *self._running]:
-            seq.cache = None
-            seq.sink(
+    def _fail_all(self, message: str) -> None:
+        for live in list(self._live.values()):
+            self.scheduler.abort(live.request.request_id)
+            request = live.request
+            request.sink(
                 RequestOutput(
-                    request_id=seq.request_id,
+                    request_id=request.request_id,
                     text="",
                     token_ids=[],
-                    num_prompt_tokens=len(seq.request.prompt_token_ids),
-                    num_generated_tokens=seq.num_generated,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_generated_tokens=request.num_generated,
                     finished=True,
-                    finish_reason=reason,
+                    finish_reason="abort",
                     error=message,
                 )
             )
-        self._waiting.clear()
-        self._running.clear()
-        self._publish_queue_sizes()
+        self._live.clear()
+        self._publish_stats()
 
-    def _publish_queue_sizes(self) -> None:
-        if self.metrics is not None:
-            self.metrics.set_queue_sizes(len(self._running), len(self._waiting))
-
-    # --- Model execution --------------------------------------------------------------------------
-
-    def _new_cache(self) -> SequenceKVCache:
-        c = self.model_config
-        return SequenceKVCache(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            self.config.max_model_len,
-            self.config.dtype,
-            self.config.device,
+    def _publish_stats(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.set_engine_state(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_usage=self.pool.usage,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
         )
 
-    def _forward_prefill(self, cache: SequenceKVCache, token_ids: list[int]) -> torch.Tensor:
-        device = self.config.device
-        input_ids = torch.tensor(token_ids[cache.length :], dtype=torch.long, device=device)  # [T]
-        positions = torch.arange(cache.length, len(token_ids), dtype=torch.long, device=device)  # [T]
-        attention = PrefillAttention(cache, len(input_ids))
-        hidden = self.model(input_ids, positions, attention)  # [T, H]
-        attention.commit()
-        return self.model.compute_logits(hidden[-1:])  # [1, V]
-
-    def _forward_decode(self, caches: list[SequenceKVCache], last_tokens: list[int]) -> torch.Tensor:
-        device = self.config.device
-        input_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
-        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)  # [B]
-        attention = DecodeAttention(caches)
-        hidden = self.model(input_ids, positions, attention)  # [B, H]
-        attention.commit()
-        return self.model.compute_logits(hidden)  # [B, V]
+    # --- Start-up -----------------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """One prefill and a few decode steps so the first real request pays no one-time costs."""
-        with torch.inference_mode():
-            cache = self._new_cache()
-            prompt = self.tokenizer.encode("Warm-up: the quick brown fox", add_special_tokens=True)
-            logits = self._forward_prefill(cache, prompt)
-            for _ in range(4):
-                token = int(torch.argmax(logits[0]))
-                logits = self._forward_decode([cache], [token])
+        """Run a prefill and decode steps through the real path; metrics and the cache forget it."""
+        metrics, self.metrics = self.metrics, None
+        try:
+            with torch.inference_mode():
+                prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog", True)
+                params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+                done = threading.Event()
+
+                def sink(out: RequestOutput) -> None:
+                    if out.finished:
+                        done.set()
+
+                self._admit(_Submit(GenerationRequest("warm-up", prompt, params, time.monotonic()), sink))
+                while not done.is_set():
+                    self._step()
+                self.pool.reset_cache()
+                self.kv.prefix_queries = self.kv.prefix_hits = 0
+        finally:
+            self.metrics = metrics
+        self._publish_stats()

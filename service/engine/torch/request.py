@@ -1,0 +1,72 @@
+"""A request's state inside the PyTorch engine."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
+from service.engine.torch.block_pool import ROOT_HASH, BlockHash, hash_block
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids so far and how many of them have keys/values in the cache.
+
+    Invariant: `num_computed_tokens <= len(token_ids)`; when they are equal the request needs a
+    new token sampled; otherwise the next step computes (part of) the remainder. After a
+    preemption `num_computed_tokens` is 0 and the request is recomputed from its tokens.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    sink: Callable[[RequestOutput], None] = field(repr=False)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_before: bool = False
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_generation(cls, request: GenerationRequest, sink: Callable[[RequestOutput], None]) -> Request:
+        return cls(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            arrival_time=request.arrival_time,
+            sink=sink,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of every full block of tokens so far (extended incrementally)."""
+        num_full = len(self.token_ids) // block_size
+        while len(self.block_hashes) < num_full:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.append(
+                hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size])
+            )
+        return self.block_hashes

@@ -1,0 +1,144 @@
+"""Continuous (inflight) batching: which requests compute how many tokens in the next step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.engine.torch.kv_cache_manager import KVCacheManager
+from service.engine.torch.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
+
+    `completes`: the chunk reaches the request's last token, so a new token is sampled after it.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """First come, first served, under one token budget per step.
+
+    Each step:
+      1. Running requests, oldest first, get the tokens they still need: 1 when decoding, the
+         next chunk (up to the remaining budget) when their prompt is still being prefilled.
+         When the block pool cannot hold a request's new tokens, the newest running request is
+         preempted (blocks freed, back to the front of the waiting queue, recomputed later)
+         until it can. A request that fits the context alone is therefore never failed for
+         lack of blocks: the pool holds at least one full-context sequence.
+      2. Only if nothing was preempted, waiting requests are admitted in arrival order while
+         the budget, `max_num_seqs` and free blocks allow; the first that does not fit stops
+         admission, so nobody overtakes an older request. Admission first takes the longest
+         cached prefix of the request's tokens, so only the rest is computed.
+    Abort removes a request from either queue and frees its blocks at once.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._release(request)
+                    return request
+        return None
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_uncomputed, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_new = min(request.num_uncomputed - len(prefix) * self.kv.block_size, budget)
+            if not self.kv.allocate(request, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if not request.admitted_before:
+                request.admitted_before = True
+                request.num_cached_tokens = len(prefix) * self.kv.block_size
+                self.kv.record_prefix_lookup(request, request.num_cached_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """Advance computed counts for what ran, and publish blocks that became full."""
+        for chunk in out.chunks:
+            if chunk.request.status is RequestStatus.RUNNING:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+                self.kv.register_full_blocks(chunk.request)
