@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
 from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 
 
 class RMSNorm(nn.Module):
@@ -249,8 +250,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (matmul in the model dtype, as HF does, then upcast)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepack_for_cpu(self) -> None:
+        """Hold every linear layer, the logits projection included, in oneDNN's packed layout.
+
+        Inference-only and irreversible (packed weights cannot be loaded into or trained); call
+        after `load_weights` where `prepacking_supported` says so.
+        """
+        if self.lm_head is None:  # tied: the embedding stays a plain tensor for lookups
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        prepack_linears(self)
 
     def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
         config = self.config

@@ -11,6 +11,7 @@ import torch
 
 from service.config import Settings
 from service.engine.models.config import ModelConfig
+from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.loader import build_model, load_gguf, load_safetensors_dir
 from service.engine.torch.engine import EngineConfig, TorchEngine
 from service.engine.torch.kv_pool import KVCacheSpec
@@ -50,6 +51,8 @@ def load_torch_engine(
         weights = load_safetensors_dir(source.path)
         tokenizer = Tokenizer.from_directory(source.path)
     model = build_model(model_config, weights, dtype, device)
+    if prepacking_supported(dtype, device):
+        model.prepack_for_cpu()
     max_model_len = model_config.max_position_embeddings
     if settings.max_model_len is not None:
         if settings.max_model_len > max_model_len:

@@ -87,33 +87,35 @@ class ModelRunner:
     ) -> AttentionMetadata:
         device = self.device
         num_decodes = sum(1 for c in ordered if c.num_tokens == 1)
-        decode_ids = mask = None
+        decode_blocks = mask = None
         if num_decodes:
-            decode_tables = tables[:num_decodes]
             context_lens = [c.start + 1 for c in ordered[:num_decodes]]
-            width = max(-(-n // self.block_size) for n in context_lens)
-            padded = [t[:width] + [0] * (width - min(len(t), width)) for t in decode_tables]
-            decode_ids = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]
+            width = -(-max(context_lens) // self.block_size)
+            decode_blocks = self._blocks(tables[:num_decodes], width)  # [B * N]
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
             mask = decode_mask(lens, width * self.block_size)
         prefills = []
         query_start = num_decodes
         for chunk, table in zip(ordered[num_decodes:], tables[num_decodes:], strict=True):
             context_len = chunk.start + chunk.num_tokens
-            used = table[: -(-context_len // self.block_size)]
             prefills.append(
                 PrefillChunk(
                     query_start=query_start,
                     num_query=chunk.num_tokens,
                     context_len=context_len,
-                    block_ids=torch.tensor(used, dtype=torch.long, device=device),
+                    block_ids=self._blocks([table], -(-context_len // self.block_size)),
                 )
             )
             query_start += chunk.num_tokens
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             num_decodes=num_decodes,
-            decode_block_ids=decode_ids,
+            decode_block_ids=decode_blocks,
             decode_mask=mask,
             prefills=tuple(prefills),
         )
+
+    def _blocks(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""
+        padded = [b for t in tables for b in (t[:width] + [0] * (width - min(len(t), width)))]
+        return self.pool.head_block_ids(torch.tensor(padded, dtype=torch.long, device=self.device))
