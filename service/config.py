@@ -98,10 +98,11 @@ class Settings(BaseSettings):
     )
     kv_block_size: int = Field(
         16,
-        ge=1,
+        ge=16,
         le=1024,
+        multiple_of=16,
         validation_alias=_env("NIM_KV_BLOCK_SIZE"),
-        description="Tokens per KV cache block (the unit of allocation and prefix reuse).",
+        description="Tokens per KV cache block (the unit of allocation and prefix reuse); a multiple of 16.",
     )
     enable_kv_cache_reuse: bool = Field(
         True,

@@ -93,6 +93,14 @@ class Metrics:
             registry=r,
         )
         self._prefix_seen = (0, 0)
+        # Create every model_name-labelled series now, so scrapers see zeros rather than gaps.
+        for metric in (
+            self.num_requests_running, self.num_requests_waiting, self.prompt_tokens, self.generation_tokens,
+            self.time_to_first_token, self.inter_token_latency, self.e2e_latency, self.request_prompt_tokens,
+            self.request_generation_tokens, self.kv_cache_usage, self.gpu_cache_usage, self.num_preemptions,
+            self.prefix_cache_queries, self.prefix_cache_hits,
+        ):  # fmt: skip
+            metric.labels(model_name)
         self.http_requests = Counter(
             "http_requests", "HTTP requests by route and status.", ["method", "route", "status"], registry=r
         )

@@ -11,7 +11,7 @@ import torch
 
 from service.engine.output import OutputProcessor, StopStringMatcher
 from service.engine.protocol import SamplingParams
-from service.engine.torch.sampler import SamplingRow, _filtered_probs, make_generator, sample
+from service.engine.torch.sampler import SamplingRow, filtered_probs, make_generator, sample
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -131,9 +131,9 @@ def test_greedy_sampling_is_argmax_and_seeded_rows_reproduce_in_any_batch() -> N
 
 def test_top_p_keeps_smallest_set_reaching_mass() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = _filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=0.7)])
-    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    assert torch.count_nonzero(_filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=1e-9)])) == 1
+    probs = filtered_probs(logits[0], SamplingParams(max_tokens=1, top_p=0.7))
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.count_nonzero(filtered_probs(logits[0], SamplingParams(max_tokens=1, top_p=1e-9))) == 1
 
 
 def test_top_k_and_min_p_filters_per_row() -> None:
@@ -143,7 +143,7 @@ def test_top_k_and_min_p_filters_per_row() -> None:
         SamplingParams(max_tokens=1, min_p=0.6),  # keeps p >= 0.6 * 0.4
         SamplingParams(max_tokens=1),
     ]
-    probs = _filtered_probs(logits, params)
+    probs = torch.stack([filtered_probs(logits[i], p) for i, p in enumerate(params)])
     assert torch.count_nonzero(probs[0]) == 2 and torch.allclose(probs[0, :2], torch.tensor([4 / 7, 3 / 7]))
     assert torch.count_nonzero(probs[1]) == 2
     assert torch.allclose(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))
@@ -151,8 +151,8 @@ def test_top_k_and_min_p_filters_per_row() -> None:
 
 def test_temperature_sharpens() -> None:
     logits = torch.log(torch.tensor([[0.6, 0.4]]))
-    probs = _filtered_probs(logits, [SamplingParams(max_tokens=1, temperature=0.5)])
-    assert torch.allclose(probs, torch.tensor([[0.36 / 0.52, 0.16 / 0.52]]))
+    probs = filtered_probs(logits[0], SamplingParams(max_tokens=1, temperature=0.5))
+    assert torch.allclose(probs, torch.tensor([0.36 / 0.52, 0.16 / 0.52]))
 
 
 def test_penalties_bias_and_min_tokens() -> None:

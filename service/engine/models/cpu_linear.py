@@ -4,6 +4,12 @@
 at load time makes the skinny matmuls of decoding 1.2x (batch 32) to 4x (batch 1) faster on an
 AVX-512 bf16 machine, with bit-identical results (measured in bench/README.md). Only used where
 PyTorch's oneDNN build supports it; everywhere else models keep plain `nn.Linear`.
+
+Batch invariance: oneDNN picks a different kernel (another K-blocking, so another summation
+order) for fewer than 8 rows, so a row's output would depend on how many rows share the call.
+Inputs with fewer rows are padded to 8; from 8 rows up (checked to 2048) every row's result is
+bitwise the same whatever the batch, which keeps greedy and seeded outputs independent of what
+else the engine batches with a request.
 """
 
 from __future__ import annotations
@@ -17,15 +23,17 @@ log = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any batch size works with it.
 BATCH_HINT = 32
+# Fewer rows than this run through a differently-blocked kernel (see the module docstring).
+MIN_ROWS = 8
 
 
 def prepacking_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
@@ -39,6 +47,11 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features]
+        rows = x.shape[0]
+        if rows < MIN_ROWS:
+            padded = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -29,9 +29,10 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached full blocks that starts the request's tokens.
 
-        At least the last token is always left to compute: its logits are needed to sample.
+        At least the last token is always left to compute: its logits are needed to sample. A
+        request that wants prompt logprobs computes its whole prompt: cached tokens have no logits.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or request.sampling.prompt_logprobs is not None:
             return []
         usable = (request.num_tokens - 1) // self.block_size
         hits = []

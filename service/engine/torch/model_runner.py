@@ -10,7 +10,13 @@ import torch
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVPool
-from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention, PrefillChunk, decode_mask
+from service.engine.torch.paged_attention import (
+    AttentionMetadata,
+    PagedAttention,
+    PrefillChunk,
+    decode_mask,
+    prefill_mask,
+)
 from service.engine.torch.scheduler import ScheduledChunk
 
 
@@ -98,12 +104,14 @@ class ModelRunner:
         query_start = num_decodes
         for chunk, table in zip(ordered[num_decodes:], tables[num_decodes:], strict=True):
             context_len = chunk.start + chunk.num_tokens
+            width = -(-context_len // self.block_size)
             prefills.append(
                 PrefillChunk(
                     query_start=query_start,
                     num_query=chunk.num_tokens,
                     context_len=context_len,
-                    block_ids=self._blocks([table], -(-context_len // self.block_size)),
+                    block_ids=self._blocks([table], width),
+                    mask=prefill_mask(chunk.start, chunk.num_tokens, width * self.block_size, device),
                 )
             )
             query_start += chunk.num_tokens

@@ -1,14 +1,20 @@
 """Attention over the paged KV cache for one mixed step (decodes and prefill chunks).
 
 The flat token batch is ordered decodes first (one token each), then each prefill chunk's
-tokens. Every layer first writes the new tokens' keys/values into their cache slots, then:
-- decodes: gathers every request's blocks into one padded [H, B * L, D] batch (head-major,
-  so each (head, request) is a contiguous [L, D] matrix) and attends with two batched matmuls;
-  grouped-query heads are handled by reshaping queries, never by copying keys/values per head;
-- a chunk that starts a request (nothing cached before it) attends over its own k/v with
-  causal SDPA, without reading the cache back;
-- any other chunk (continuing a long prompt, or after a prefix-cache hit) gathers its blocks
-  and attends with a causal mask offset by what was cached before it.
+tokens. Every layer first writes the new tokens' keys/values into their cache slots, then reads
+every query's context back from the cache, padded to whole blocks, as one contiguous [L, D]
+matrix per (kv head, request) (the pool is head-major), and attends with the same three steps
+for decodes and prefill chunks alike: scores = q @ k^T (bmm), a float32 softmax with masked
+keys at exactly zero, out = p @ v (bmm). Grouped-query heads are handled by reshaping queries,
+never by copying keys/values per head.
+
+Batch invariance: each of those steps computes a row from that row's inputs alone, and masked or
+padded keys contribute exact zeros, so a token's attention output is bitwise the same whatever
+the batch size, the padding, the prefill chunk boundaries or a prefix-cache hit. Greedy and
+seeded outputs therefore do not depend on what else shares the batch (the linear layers are
+row-independent as well). Block sizes are multiples of 16 so a row is never shorter than one
+AVX-512 vector, which would switch the softmax reduction to a different summation order.
+tests/test_engine.py holds this; a faster kernel must keep it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from service.engine.torch.kv_pool import KVPool
 
@@ -28,10 +33,7 @@ class PrefillChunk:
     num_query: int
     context_len: int  # tokens with keys/values after this chunk (cached before + the chunk)
     block_ids: torch.Tensor  # pool rows (KVPool.head_block_ids) of the blocks covering the context
-
-    @property
-    def starts_request(self) -> bool:
-        return self.context_len == self.num_query
+    mask: torch.Tensor  # [num_query, N * block_size] additive: 0 where visible (causal), else -inf
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
     num_decodes: int  # rows [0, num_decodes) are decode tokens
     decode_block_ids: torch.Tensor | None  # pool rows of each decode's first N blocks (padded with 0)
-    decode_mask: torch.Tensor | None  # [1, B, 1, N * block_size] additive: 0 where visible, else -inf
+    decode_mask: torch.Tensor | None  # [B, N * block_size] additive: 0 where visible, else -inf
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -61,51 +63,69 @@ class PagedAttention:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes])
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query)
-            out[rows] = self._prefill(layer, chunk, q[rows], k[rows], v[rows])
+            out[rows] = self._prefill(layer, chunk, q[rows])
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        # q: [B, Hq, D]
+        # q: [B, Hq, D]: one query per request, B requests side by side in the batch dimension.
         meta = self.meta
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
+        batch, length = meta.decode_mask.shape
         keys, values = self.pool.gather(layer, meta.decode_block_ids, q.dtype)  # [Hkv, B*L, D]
-        batch, length = meta.decode_mask.shape[1], meta.decode_mask.shape[3]
         num_kv_heads, _, head_dim = keys.shape
         group = self.num_heads // num_kv_heads
-        keys = keys.view(num_kv_heads * batch, length, head_dim)
-        values = values.view(num_kv_heads * batch, length, head_dim)
-        # [B, Hq, D] -> [Hkv * B, G, D], matching the (head, request) order of the gathered cache.
-        qh = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
-        scores = torch.bmm(qh, keys.transpose(1, 2)).view(num_kv_heads, batch, group, length)
-        scores = scores.float().mul_(self.scale).add_(meta.decode_mask)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(-1, group, length)
-        out = torch.bmm(probs, values)  # [Hkv * B, G, D]
+        # [B, Hq, D] -> [Hkv * B, G, D], in the (head, request) order of the gathered cache.
+        queries = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
+        keys, values = keys.view(-1, length, head_dim), values.view(-1, length, head_dim)
+        mask = meta.decode_mask[None, :, None, :]  # [1, B, 1, L]
+        out = self._attend(queries, keys, values, mask, (num_kv_heads, batch, group, length))
         return out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1).reshape(batch, -1, head_dim)
 
-    def _prefill(
-        self, layer: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def _prefill(self, layer: int, chunk: PrefillChunk, q: torch.Tensor) -> torch.Tensor:
+        # q: [S, Hq, D]: the chunk's queries against its whole context.
+        keys, values = self.pool.gather(layer, chunk.block_ids, q.dtype)  # [Hkv, L, D]
+        num_kv_heads, length, head_dim = keys.shape
+        rows, group = q.shape[0], self.num_heads // num_kv_heads
+        # [S, Hq, D] -> [Hkv, G * S, D]
+        queries = q.view(rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        queries = queries.reshape(num_kv_heads, -1, head_dim)
+        mask = chunk.mask[None, None]  # [1, 1, S, L]
+        out = self._attend(queries, keys, values, mask, (num_kv_heads, group, rows, length))  # [Hkv, G*S, D]
+        return out.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3).reshape(rows, -1, head_dim)
+
+    def _attend(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        view: tuple[int, int, int, int],
     ) -> torch.Tensor:
-        # q: [S, Hq, D]; k, v: [S, Hkv, D]
-        if chunk.starts_request:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-            )
-            return out.transpose(0, 1)
-        keys, values = self.pool.gather(layer, chunk.block_ids, q.dtype)  # [Hkv, N*bs, D]
-        keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]  # [Hkv, C, D]
-        # Query i sits at position (context_len - num_query + i) and sees keys up to it.
-        first = chunk.context_len - chunk.num_query
-        key_pos = torch.arange(chunk.context_len, device=q.device)
-        query_pos = torch.arange(first, chunk.context_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [S, C]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        """queries [X, M, D], keys/values [X, L, D] -> [X, M, D].
+
+        `view` regroups the [X, M, L] scores into 4-D so the additive `mask` broadcasts over them.
+        """
+        scores = torch.bmm(queries, keys.transpose(1, 2))  # [X, M, L]
+        scores = scores.float().mul_(self.scale).view(view).add_(mask)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(queries.shape[0], -1, keys.shape[1])
+        return torch.bmm(probs, values)  # [X, M, D]
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """Boolean visibility -> float32 additive mask: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
 
 
 def decode_mask(context_lens: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """[B] -> additive float mask [1, B, 1, padded_len]: 0 for keys < context_len, else -inf."""
+    """[B] -> [B, padded_len]: keys before each request's context length are visible."""
     positions = torch.arange(padded_len, device=context_lens.device)
-    visible = positions[None, :] < context_lens[:, None]
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=context_lens.device)
-    mask.masked_fill_(~visible, float("-inf"))
-    return mask[None, :, None, :]
+    return additive_mask(positions[None, :] < context_lens[:, None])
+
+
+def prefill_mask(first_position: int, num_query: int, padded_len: int, device: torch.device) -> torch.Tensor:
+    """[S, padded_len] causal mask for queries at positions first_position .. first_position + S - 1."""
+    keys = torch.arange(padded_len, device=device)
+    queries = torch.arange(first_position, first_position + num_query, device=device)
+    return additive_mask(keys[None, :] <= queries[:, None])

@@ -50,12 +50,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     raw_logprobs = _raw_logprobs(logits, rows)
     _apply_constraints(logits, rows)
     chosen = torch.argmax(logits, dim=-1)  # [B]; final for greedy rows
-    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits.index_select(0, index), [rows[i].params for i in random_rows])
-        for j, i in enumerate(random_rows):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            probs = filtered_probs(logits[i], row.params)
+            chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
     ids = chosen.tolist()
     return [
         SampledToken(token_id, _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs))
@@ -120,28 +118,36 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
             logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [R, V] of sampled rows -> probabilities after temperature, top_k, top_p, min_p."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
-    top_k = [p.top_k for p in params]
-    if any(0 < k < logits.shape[1] for k in top_k):
-        k_max = max(k for k in top_k if k > 0)
-        kth = torch.topk(logits, min(k_max, logits.shape[1]), dim=-1).values  # [R, k_max]
-        limit = torch.tensor([(k if k > 0 else k_max) - 1 for k in top_k], device=device)
-        threshold = kth.gather(1, limit[:, None])  # [R, 1]
-        no_limit = torch.tensor([k <= 0 for k in top_k], device=device)[:, None]
-        logits = logits.masked_fill((logits < threshold) & ~no_limit, float("-inf"))
+# top_p first looks for the nucleus among this many most likely tokens (almost always enough),
+# sorting the whole vocabulary only when they hold less than top_p of the mass.
+NUCLEUS_CANDIDATES = 256
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [V] of one row -> probabilities after temperature, top_k, top_p and min_p.
+
+    Rows are processed one at a time on purpose: a [B, V] reduction may be split across threads
+    differently for different B, and a seeded request must draw from bitwise the same
+    distribution whatever else shares its batch.
+    """
+    vocab = logits.shape[0]
+    logits = logits / params.temperature
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_p < 1.0).any()):
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((min_p > 0).any()):
-        cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-        probs = probs.masked_fill(probs < cutoff, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < probs.max() * params.min_p, 0.0)
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    return probs / probs.sum()
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+    values, ids = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.shape[0]))
+    if float(values.sum()) < top_p:
+        values, ids = torch.sort(probs, descending=True, stable=True)
+    mass_before = torch.cumsum(values, dim=0) - values
+    keep = mass_before < top_p
+    return torch.zeros_like(probs).index_put_((ids[keep],), values[keep])

@@ -1,0 +1,213 @@
+"""The PyTorch engine in process, on the embedded model: batching, chunked prefill, preemption,
+prefix reuse, cancellation and quantized KV caches."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from service.config import load_settings
+from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
+from service.engine.torch.engine import TorchEngine
+from service.engine.torch.loading import load_torch_engine
+from service.model_store import resolve_model
+
+WORDS = [
+    *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while"),
+    *("seven", "curious", "cats", "watch", "from", "the", "old", "stone", "wall"),
+]
+
+
+def make_engine(**overrides: object) -> TorchEngine:
+    defaults: dict[str, object] = {
+        "num_threads": 2,
+        "max_model_len": 2048,
+        "kv_cache_max_tokens": 16384,
+        "max_num_batched_tokens": 256,
+    }
+    settings = load_settings(**{**defaults, **overrides})
+    engine = load_torch_engine(resolve_model(None, None, settings.cache_path), settings)
+    asyncio.run(engine.start())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[TorchEngine]:
+    engine = make_engine()
+    yield engine
+    asyncio.run(engine.stop())
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    outputs: list[RequestOutput]
+
+
+def run_all(engine: TorchEngine, requests: list[GenerationRequest]) -> dict[str, Result]:
+    async def one(request: GenerationRequest) -> Result:
+        outputs = [out async for out in engine.generate(request)]
+        tokens = [t for out in outputs for t in out.token_ids]
+        return Result(tokens, "".join(o.text for o in outputs), outputs[-1].finish_reason, outputs)
+
+    async def run() -> list[Result]:
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return {r.request_id: res for r, res in zip(requests, asyncio.run(run()), strict=True)}
+
+
+def prompt_of(engine: TorchEngine, num_words: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return engine.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(num_words)))
+
+
+def request(rid: str, prompt: list[int], **params: object) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(**{"max_tokens": 16, "temperature": 0.0, **params}))
+
+
+def wait_idle(engine: TorchEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.scheduler.has_work() and engine.pool.num_free == engine.pool.num_blocks:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def test_greedy_alone_equals_greedy_in_a_mixed_batch_of_32(engine: TorchEngine) -> None:
+    # Lengths from 3 to ~700 tokens: long ones are prefilled in chunks while others decode.
+    lengths = [3 + (i * 37) % 500 for i in range(31)] + [700]
+    prompts = [prompt_of(engine, n, seed=i) for i, n in enumerate(lengths)]
+    batch = run_all(engine, [request(f"b{i}", p, max_tokens=12) for i, p in enumerate(prompts)])
+    wait_idle(engine)
+    for i in (0, 5, 17, 31):
+        alone = run_all(engine, [request(f"a{i}", prompts[i], max_tokens=12)])[f"a{i}"]
+        assert alone.token_ids == batch[f"b{i}"].token_ids, i
+    wait_idle(engine)
+
+
+def test_seeded_sampling_reproduces_across_batch_compositions(engine: TorchEngine) -> None:
+    prompt = prompt_of(engine, 20, seed=99)
+    seeded = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234, "max_tokens": 20}
+    alone = run_all(engine, [request("s-alone", prompt, **seeded)])["s-alone"]
+    others = [
+        request(f"o{i}", prompt_of(engine, 10 + 13 * i, seed=i), temperature=1.0, max_tokens=5 + i)
+        for i in range(7)
+    ]
+    mixed = run_all(engine, [*others[:4], request("s-mixed", prompt, **seeded), *others[4:]])["s-mixed"]
+    assert mixed.token_ids == alone.token_ids
+    different = run_all(engine, [request("s-other", prompt, **{**seeded, "seed": 4321})])["s-other"]
+    assert different.token_ids != alone.token_ids
+    wait_idle(engine)
+
+
+def test_prefix_reuse_reports_cached_tokens_and_keeps_outputs(engine: TorchEngine) -> None:
+    system = prompt_of(engine, 300, seed=1007)  # a seed no other test's prompt starts with
+    first = run_all(engine, [request("p1", [*system, *prompt_of(engine, 5, 1)])])["p1"]
+    second = run_all(engine, [request("p2", [*system, *prompt_of(engine, 5, 1)])])["p2"]
+    assert first.outputs[-1].num_cached_tokens == 0
+    block = engine.config.kv_spec.block_size
+    assert second.outputs[-1].num_cached_tokens >= (len(system) // block) * block - block
+    assert second.token_ids == first.token_ids
+    wait_idle(engine)
+
+
+def test_abort_frees_blocks_within_a_step(engine: TorchEngine) -> None:
+    async def run() -> None:
+        stream = engine.generate(
+            request("abort-me", prompt_of(engine, 50, 3), max_tokens=500, ignore_eos=True)
+        )
+        async for out in stream:
+            if out.num_generated_tokens >= 3:
+                break
+        await stream.aclose()  # what a disconnecting client does
+
+    asyncio.run(run())
+    wait_idle(engine, timeout=2.0)
+
+
+def test_preemption_recomputes_and_keeps_greedy_outputs(engine: TorchEngine) -> None:
+    prompts = [prompt_of(engine, 120 + 10 * i, seed=50 + i) for i in range(6)]
+    want = run_all(
+        engine, [request(f"big{i}", p, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
+    small = make_engine(max_model_len=512, kv_cache_max_tokens=512, max_num_batched_tokens=512)
+    try:
+        got = run_all(
+            small, [request(f"small{i}", p, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
+        )
+        assert small.scheduler.num_preemptions > 0
+        for i in range(len(prompts)):
+            assert got[f"small{i}"].token_ids == want[f"big{i}"].token_ids, i
+        wait_idle(small)
+    finally:
+        asyncio.run(small.stop())
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What planet is known as the red planet?",
+    "Translate 'good morning' into Spanish.",
+    "What is the boiling point of water in Celsius?",
+]
+GENERATED = 40
+# Stated tolerance, teacher-forced: the share of generated positions whose most likely next token
+# matches the bf16 cache's. Measured 0.96 (int8) and 0.94 (fp8) over 8 x 40 positions; for scale,
+# the same model with fp32 instead of bf16 weights agrees on 0.98.
+MIN_AGREEMENT = {"int8": 0.93, "fp8": 0.90}
+
+
+def next_token_predictions(
+    engine: TorchEngine, sequences: list[list[int]], skip: list[int]
+) -> list[list[int]]:
+    """Teacher-forced argmax at every position past `skip[i]`, via prompt logprobs."""
+    requests = [request(f"tf{i}", seq, max_tokens=1, prompt_logprobs=1) for i, seq in enumerate(sequences)]
+    results = run_all(engine, requests)
+    predictions = []
+    for i in range(len(sequences)):
+        logprobs = results[f"tf{i}"].outputs[0].prompt_logprobs or []
+        predictions.append([entry.top[0][0] for entry in logprobs[skip[i] :] if entry is not None])
+    return predictions
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, cache_dtype: str) -> None:
+    tokenizer = engine.tokenizer
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        for q in QUESTIONS
+    ]
+    generated = run_all(
+        engine, [request(f"g{i}", p, max_tokens=GENERATED, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
+    sequences = [p + generated[f"g{i}"].token_ids for i, p in enumerate(prompts)]
+    skip = [len(p) for p in prompts]
+    reference = next_token_predictions(engine, sequences, skip)
+    quantized = make_engine(kv_cache_dtype=cache_dtype)
+    try:
+        got = next_token_predictions(quantized, sequences, skip)
+        # The first greedy token (decided by the prompt alone) never changes.
+        first = run_all(quantized, [request(f"f{i}", p, max_tokens=1) for i, p in enumerate(prompts)])
+    finally:
+        asyncio.run(quantized.stop())
+    agree = sum(
+        a == b for ref, new in zip(reference, got, strict=True) for a, b in zip(ref, new, strict=True)
+    )
+    total = sum(len(ref) for ref in reference)
+    assert total == len(QUESTIONS) * GENERATED
+    assert agree / total >= MIN_AGREEMENT[cache_dtype], (agree, total)
+    for i in range(len(prompts)):
+        assert first[f"f{i}"].token_ids == generated[f"g{i}"].token_ids[:1], i
