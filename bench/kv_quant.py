@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import json
 
-from tests.test_engine import QUESTIONS, make_engine, next_token_predictions, request, run_all
+from tests.test_engine import chat_prompts, make_engine, next_token_predictions, request, run_all
 
 
 def main() -> None:
@@ -26,13 +26,7 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=40)
     args = parser.parse_args()
     base = make_engine()
-    tokenizer = base.tokenizer
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
-        )
-        for q in QUESTIONS
-    ]
+    prompts = chat_prompts(base)
     out = run_all(
         base, [request(f"g{i}", p, max_tokens=args.generated, ignore_eos=True) for i, p in enumerate(prompts)]
     )

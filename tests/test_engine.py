@@ -168,6 +168,17 @@ GENERATED = 40
 MIN_AGREEMENT = {"int8": 0.93, "fp8": 0.90}
 
 
+def chat_prompts(engine: TorchEngine) -> list[list[int]]:
+    """QUESTIONS as single-turn chat prompts, token ids."""
+    tokenizer = engine.tokenizer
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        for q in QUESTIONS
+    ]
+
+
 def next_token_predictions(
     engine: TorchEngine, sequences: list[list[int]], skip: list[int]
 ) -> list[list[int]]:
@@ -183,13 +194,7 @@ def next_token_predictions(
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
 def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, cache_dtype: str) -> None:
-    tokenizer = engine.tokenizer
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
-        )
-        for q in QUESTIONS
-    ]
+    prompts = chat_prompts(engine)
     generated = run_all(
         engine, [request(f"g{i}", p, max_tokens=GENERATED, ignore_eos=True) for i, p in enumerate(prompts)]
     )
