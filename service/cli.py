@@ -1,6 +1,7 @@
-"""Command line: `serve` (the default).
+"""Command line, with NIM's command names: `serve` (the default), `list-model-profiles`,
+`download-to-cache`, `create-model-store`, and `detect`.
 
-Parses flags, builds the one Settings object, and runs the server. entrypoint.py and the
+Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
 `nim-torch` console script both land here.
 """
 
@@ -10,6 +11,7 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -23,19 +25,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nim-torch", description="NIM-style OpenAI-compatible LLM service")
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="serve the model over HTTP (default)")
+    _add_model_flags(serve)
     _add_serve_flags(serve)
+    listing = commands.add_parser("list-model-profiles", help="show the system and which profiles can run")
+    _add_model_flags(listing)
+    download = commands.add_parser("download-to-cache", help="download profiles into NIM_CACHE_PATH")
+    _add_model_flags(download)
+    download.add_argument(
+        "--profiles", nargs="+", metavar="ID", help="profile ids or names (default: the selected one)"
+    )
+    download.add_argument("--all", action="store_true", help="every profile of the model")
+    store = commands.add_parser("create-model-store", help="write a self-contained model directory")
+    _add_model_flags(store)
+    store.add_argument("--profile", required=True, help="profile id or name")
+    store.add_argument("--model-store", required=True, type=Path, help="directory to create")
+    commands.add_parser("detect", help="print the detected system as JSON")
     return parser
 
 
-def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="model_name", help="overrides NIM_MODEL_NAME")
+    parser.add_argument("--max-model-len", type=int, help="overrides NIM_MAX_MODEL_LEN")
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="overrides NIM_SERVED_MODEL_NAME")
     parser.add_argument("--host", help="overrides NIM_SERVER_HOST (default 0.0.0.0)")
     parser.add_argument("--port", type=int, help="overrides NIM_SERVER_PORT (default 8000)")
-    parser.add_argument("--max-model-len", type=int, help="overrides NIM_MAX_MODEL_LEN")
     parser.add_argument("--dtype", help="overrides NIM_DTYPE")
     parser.add_argument("--device", help="overrides NIM_DEVICE")
     parser.add_argument("--log-level", help="overrides NIM_LOG_LEVEL")
+
+
+SETTINGS_FLAGS = (
+    "model_name",
+    "max_model_len",
+    "served_model_name",
+    "host",
+    "port",
+    "dtype",
+    "device",
+    "log_level",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,14 +74,29 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]  # `serve` is the default command
     args = build_parser().parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    flags = {k: v for k, v in vars(args).items() if k in SETTINGS_FLAGS}
     try:
         settings = load_settings(**flags)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
     configure_logging(settings.python_log_level, settings.jsonl_logging)
-    sys.exit(serve(settings))
+    if args.command == "serve":
+        sys.exit(serve(settings))
+    from service import commands
+
+    try:
+        if args.command == "detect":
+            commands.detect(settings)
+        elif args.command == "list-model-profiles":
+            commands.list_model_profiles(settings)
+        elif args.command == "download-to-cache":
+            commands.download_to_cache(settings, args.profiles or [], args.all)
+        else:
+            commands.create_model_store(settings, args.profile, args.model_store)
+    except commands.CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def serve(settings: Settings) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -109,6 +109,40 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_ENABLE_KV_CACHE_REUSE"),
         description="Prefix caching: reuse the keys/values of identical prompt prefixes; 0 turns it off.",
     )
+    model_profile: str | None = Field(
+        None,
+        validation_alias=_env("NIM_MODEL_PROFILE"),
+        description="Profile to run: a 64-hex id, a readable name, or `default`; unset = automatic.",
+    )
+    profile_type: Literal["throughput", "latency"] = Field(
+        "throughput",
+        validation_alias=_env("NIM_PROFILE_TYPE"),
+        description="Which profiles automatic selection prefers: throughput (smallest tp) or latency.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_TENSOR_PARALLEL_SIZE"),
+        description="Only consider profiles with this tensor-parallel size.",
+    )
+    system_info: Path | None = Field(
+        None,
+        validation_alias=_env("NIM_SYSTEM_INFO"),
+        description="A system description (JSON from the `detect` command) used instead of detecting one.",
+    )
+    cuda_visible_devices: str | None = Field(
+        None,
+        validation_alias=_env("CUDA_VISIBLE_DEVICES"),
+        description="GPUs this process may use (CUDA's own variable, applied to NVML's inventory).",
+    )
+    hf_token: SecretStr | None = Field(
+        None, validation_alias=_env("HF_TOKEN"), description="Token for gated or private hub models."
+    )
+    hf_hub_offline: bool = Field(
+        False,
+        validation_alias=_env("HF_HUB_OFFLINE"),
+        description="Never contact the hub: serve and download only from the cache.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -121,7 +155,7 @@ class Settings(BaseSettings):
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("model_name", "served_model_name", mode="before")
+    @field_validator("model_name", "served_model_name", "model_profile", mode="before")
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

@@ -23,7 +23,7 @@ from service.api.state import ModelInfo, Ready, ServiceState
 from service.config import Settings
 from service.engine.torch.loading import PRECISION_NAMES, load_torch_engine
 from service.metrics import Metrics
-from service.model_store import default_served_name, resolve_model
+from service.planning import make_plan, model_source, served_name, settings_for_profile
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ FatalHandler = Callable[[str], None]
 
 
 def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> FastAPI:
-    served_name = settings.served_model_name or default_served_name(settings.model_name)
-    state = ServiceState(settings=settings, metrics=Metrics(served_name), served_name=served_name)
+    name = served_name(settings)
+    state = ServiceState(settings=settings, metrics=Metrics(name), served_name=name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,16 +64,20 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
 async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
     settings = state.settings
     try:
-        source = await asyncio.to_thread(
-            resolve_model, settings.model_name, settings.served_model_name, settings.cache_path
-        )
+        plan = await asyncio.to_thread(make_plan, settings)
+        for line in plan.selection.explanation:
+            log.info("%s", line)
+        source = await asyncio.to_thread(model_source, plan, settings)
 
         def engine_died(exc: BaseException) -> None:
             state.failure = f"engine failed: {exc}"
             if on_fatal is not None:
                 on_fatal(state.failure)
 
-        engine = await asyncio.to_thread(load_torch_engine, source, settings, state.metrics, engine_died)
+        engine_settings = settings_for_profile(settings, plan.profile)
+        engine = await asyncio.to_thread(
+            load_torch_engine, source, engine_settings, state.metrics, engine_died
+        )
         await engine.start()
     except asyncio.CancelledError:
         raise
@@ -88,14 +92,18 @@ async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
         source=str(source.path),
         architecture=engine.model_config.architecture,
         max_model_len=engine.max_model_len,
-        llm_engine="torch",
         precision=PRECISION_NAMES.get(engine.config.dtype, str(engine.config.dtype)),
         device=engine.config.device.type,
+        profile_id=plan.profile.id,
+        profile_name=plan.profile.name,
+        profile_tags=plan.profile.tags(),
+        selection=tuple(plan.selection.explanation[:1]),
     )
     state.model = Ready(engine=engine, tokenizer=engine.tokenizer, info=info)
     if state.phase == "loading":
         state.phase = "ready"
-        log.info("serving %s as %r (%s)", info.source, info.served_name, info.profile()["name"])
+        log.info("serving %s as %r with profile %s (%s)", info.source, info.served_name, info.profile_name,
+                 info.profile_id)  # fmt: skip
 
 
 class HTTPMetricsMiddleware:

@@ -21,20 +21,21 @@ class ModelInfo:
     source: str
     architecture: str
     max_model_len: int
-    llm_engine: str
-    precision: str
+    precision: str  # what the engine actually runs in
     device: str
+    profile_id: str
+    profile_name: str
+    profile_tags: dict[str, Any]
+    selection: tuple[str, ...] = ()  # why this profile, one line each
     created: int = field(default_factory=lambda: int(time.time()))
 
     def profile(self) -> dict[str, Any]:
-        tags = {
-            "llm_engine": self.llm_engine,
-            "precision": self.precision,
-            "tp": 1,
-            "pp": 1,
-            "device": self.device,
+        return {
+            "id": self.profile_id,
+            "name": self.profile_name,
+            "tags": {**self.profile_tags, "device": self.device},
+            "selection": list(self.selection),
         }
-        return {"name": f"{self.llm_engine}-{self.device}-{self.precision}-tp1-pp1", "tags": tags}
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""The utility commands: detect, list-model-profiles, download-to-cache, create-model-store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from service.config import Settings
+from service.hardware import describe
+from service.model_download import DownloadError
+from service.model_store import STORE_DESCRIPTOR, ModelNotFoundError
+from service.planning import current_system, fetch_profile, make_plan, manifest_for, policy_for
+from service.profiles import Profile, ProfileError, Verdict, assess
+
+
+class CommandError(RuntimeError):
+    """A command could not do what was asked; the message says why in one line."""
+
+
+def detect(settings: Settings) -> None:
+    print(json.dumps(current_system(settings).to_dict(), indent=2))
+
+
+def list_model_profiles(settings: Settings) -> None:
+    system = current_system(settings)
+    print(describe(system))
+    try:
+        manifest = manifest_for(settings)
+    except (ModelNotFoundError, FileNotFoundError, DownloadError, ProfileError) as exc:
+        raise CommandError(str(exc)) from None
+    verdicts = assess(manifest, system, policy_for(settings))
+    try:
+        selected = make_plan(settings).profile.id
+    except ProfileError:
+        selected = None
+    print(f"MODEL PROFILES ({manifest.model})")
+    groups = [
+        ("Compatible with system and runnable:", [v for v in verdicts if v.status == "compatible"]),
+        ("Compatible with system but low memory:", [v for v in verdicts if v.status == "low_memory"]),
+        ("Incompatible with system:", [v for v in verdicts if v.status == "incompatible"]),
+    ]
+    for title, members in groups:
+        print(f"- {title}")
+        plain = [v for v in members if not v.profile.feat_lora]
+        lora = [v for v in members if v.profile.feat_lora]
+        for verdict in plain:
+            print(_line(verdict, selected, "  "))
+        if lora:
+            print("  - With LoRA support:")
+            for verdict in lora:
+                print(_line(verdict, selected, "    "))
+        if not members:
+            print("  (none)")
+
+
+def _line(verdict: Verdict, selected: str | None, indent: str) -> str:
+    marker = " (selected)" if verdict.profile.id == selected else ""
+    detail = "" if verdict.status == "compatible" else f" [{verdict.summary()}]"
+    return f"{indent}- {verdict.profile.id} ({verdict.profile.name}){marker}{detail}"
+
+
+def _profiles(settings: Settings, wanted: list[str], everything: bool) -> list[Profile]:
+    try:
+        manifest = manifest_for(settings)
+        if everything:
+            return list(manifest.profiles)
+        if not wanted:
+            return [make_plan(settings).profile]
+    except (ProfileError, ModelNotFoundError, FileNotFoundError, DownloadError) as exc:
+        raise CommandError(str(exc)) from None
+    chosen = []
+    for key in wanted:
+        matches = [p for p in manifest.profiles if key in (p.id, p.name)]
+        if not matches:
+            raise CommandError(f"{key!r} names no profile of {manifest.model}; see list-model-profiles")
+        chosen.append(matches[0])
+    return chosen
+
+
+def download_to_cache(settings: Settings, wanted: list[str], everything: bool) -> None:
+    for profile in _profiles(settings, wanted, everything):
+        try:
+            path = fetch_profile(profile, settings)
+        except DownloadError as exc:
+            raise CommandError(f"{profile.name}: {exc}") from None
+        print(f"{profile.id} ({profile.name}): {path}")
+
+
+def create_model_store(settings: Settings, wanted: str, directory: Path) -> None:
+    """Copy one profile's files into `directory`, with a descriptor, so that NIM_MODEL_NAME=directory
+    serves it with no network and no cache."""
+    (profile,) = _profiles(settings, [wanted], False)
+    try:
+        source = fetch_profile(profile, settings)
+    except DownloadError as exc:
+        raise CommandError(f"{profile.name}: {exc}") from None
+    if directory.exists() and any(directory.iterdir()):
+        raise CommandError(f"{directory} exists and is not empty; choose a new directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    if source.is_file():
+        files = [source]
+        shutil.copy2(source, directory / source.name)
+    else:
+        files = [f for f in source.iterdir() if f.is_file()]
+        for file in files:
+            shutil.copy2(file.resolve(), directory / file.name)  # resolve: hub caches hold symlinks
+    descriptor = {
+        "model": profile.model,
+        "profile_id": profile.id,
+        "profile_name": profile.name,
+        "profile": profile.tags(),
+        "weights_gb": profile.weights_gb,
+        "source": {"repo": profile.source.repo, "revision": profile.source.revision},
+        "files": sorted(f.name for f in files),
+    }
+    (directory / STORE_DESCRIPTOR).write_text(json.dumps(descriptor, indent=2) + "\n")
+    print(f"created {directory} with {profile.name} ({profile.id}); serve it with NIM_MODEL_NAME={directory}")

@@ -1,0 +1,232 @@
+"""From Settings to a plan: the system, the model's manifest, the selected profile, and its files.
+
+Shared by `serve`, `list-model-profiles`, `download-to-cache` and `create-model-store`, so every
+command explains and acts on the same decision.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+
+from service.config import Settings
+from service.engine.models.config import ModelConfig
+from service.hardware import SystemInfo, detect_system, load_system
+from service.model_download import ArtifactSpec, download_artifact
+from service.model_store import (
+    EMBEDDED_MODEL_NAME,
+    ModelSource,
+    check_model_dir,
+    check_model_file,
+    default_served_name,
+    embedded_model_path,
+    looks_like_hub_id,
+    read_store_descriptor,
+    source_in_directory,
+)
+from service.profiles import (
+    Architecture,
+    Manifest,
+    Policy,
+    Profile,
+    ProfileError,
+    Selection,
+    find_manifest,
+    generic_manifest,
+    load_manifests,
+    select,
+)
+
+log = logging.getLogger(__name__)
+
+
+def engine_availability() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
+    """Engines this build can serve with, and why the others cannot be used."""
+    notes: list[tuple[str, str]] = []
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        notes.append(("tensorrt_llm", "tensorrt_llm is not installed in this image"))
+    else:
+        notes.append(
+            ("tensorrt_llm", "tensorrt_llm is installed, but this release has no TensorRT-LLM adapter yet")
+        )
+    return frozenset({"torch"}), tuple(notes)
+
+
+def current_system(settings: Settings) -> SystemInfo:
+    if settings.system_info is not None:
+        return load_system(settings.system_info)
+    return detect_system(settings.cuda_visible_devices)
+
+
+def policy_for(settings: Settings) -> Policy:
+    engines, notes = engine_availability()
+    return Policy(
+        engines=engines,
+        engine_notes=notes,
+        profile_type=settings.profile_type,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+    )
+
+
+def manifest_for(settings: Settings) -> Manifest:
+    """The model's shipped manifest, or generic profiles derived from its local config."""
+    name = settings.model_name
+    manifests = load_manifests()
+    if name is None:
+        found = find_manifest("embedded", manifests)
+        assert found is not None, "profiles/ must ship the embedded model's manifest"
+        return found
+    path = Path(name).expanduser()
+    store = read_store_descriptor(path) if path.is_dir() else None
+    if store is not None:
+        return _store_manifest(store, path, manifests)
+    found = find_manifest(name, manifests)
+    if found is not None:
+        return found
+    served = settings.served_model_name or default_served_name(name)
+    if path.is_file():
+        check_model_file(path)  # refuses pickles and anything but .gguf
+        config = ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+        return generic_manifest(served, str(path), _architecture(config), path.stat().st_size * 4)
+    if path.is_dir():
+        check_model_dir(path)
+        config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return generic_manifest(served, str(path), _architecture(config), weights)
+    if looks_like_hub_id(name):
+        # No manifest and nothing local: generic torch profiles sized once the config is fetched.
+        config_dir = download_artifact(
+            ArtifactSpec(name, "main", allow_patterns=("config.json",)),
+            settings.cache_path / "hub",
+            token=_token(settings),
+            offline=settings.hf_hub_offline,
+        )
+        config = ModelConfig.from_hf_config(json.loads((config_dir / "config.json").read_text()))
+        return generic_manifest(served, name, _architecture(config), _estimate_weights_bytes(config))
+    raise FileNotFoundError(
+        f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id"
+    )
+
+
+def _store_manifest(store: dict, path: Path, manifests: list[Manifest]) -> Manifest:
+    """A model store serves the one profile it was made from (with its original id)."""
+    shipped = find_manifest(store.get("model", ""), manifests)
+    profile = (
+        next((p for p in shipped.profiles if p.id == store.get("profile_id")), None) if shipped else None
+    )
+    if shipped is None or profile is None:
+        raise ProfileError(
+            f"{path}: made from profile {store.get('profile_name')!r} of {store.get('model')!r}, which this "
+            "release does not ship; recreate the model store with this release"
+        )
+    return Manifest(shipped.model, (str(path),), shipped.architecture, (profile,), path)
+
+
+def _architecture(config: ModelConfig) -> Architecture:
+    return Architecture(
+        config.num_layers, config.num_kv_heads, config.head_dim, config.max_position_embeddings
+    )
+
+
+def _estimate_weights_bytes(config: ModelConfig) -> int:
+    """bf16 bytes from the shapes (embedding, attention, MLP, untied head) when no file sizes are known."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    attn = (
+        hidden * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        + config.num_heads * config.head_dim * hidden
+    )
+    params = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    params += config.num_layers * (attn + 3 * hidden * inter)
+    return params * 2
+
+
+def _token(settings: Settings) -> str | None:
+    return settings.hf_token.get_secret_value() if settings.hf_token is not None else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    system: SystemInfo
+    manifest: Manifest
+    selection: Selection
+
+    @property
+    def profile(self) -> Profile:
+        return self.selection.chosen.profile
+
+
+def make_plan(settings: Settings) -> Plan:
+    system = current_system(settings)
+    manifest = manifest_for(settings)
+    selection = select(manifest, system, policy_for(settings), settings.model_profile)
+    return Plan(system, manifest, selection)
+
+
+def fetch_profile(profile: Profile, settings: Settings, *, progress: bool = True) -> Path:
+    """The profile's files on local disk (downloaded into NIM_CACHE_PATH unless already there)."""
+    if settings.model_name is not None:
+        path = Path(settings.model_name).expanduser()
+        if path.is_dir() and read_store_descriptor(path) is not None:
+            return path  # a model store: everything is here already
+    source = profile.source
+    if source.repo == "embedded":
+        return embedded_model_path()
+    local = Path(source.repo).expanduser()
+    if local.exists():
+        return local
+    spec = ArtifactSpec(
+        source.repo, source.revision, **({"allow_patterns": source.files} if source.files else {})
+    )
+    return download_artifact(
+        spec,
+        settings.cache_path / "hub",
+        token=_token(settings),
+        offline=settings.hf_hub_offline,
+        progress=progress,
+    )
+
+
+def model_source(plan: Plan, settings: Settings) -> ModelSource:
+    """What the engine loads for the plan's profile."""
+    path = fetch_profile(plan.profile, settings)
+    served = settings.served_model_name or (
+        EMBEDDED_MODEL_NAME
+        if plan.profile.source.repo == "embedded"
+        else default_served_name(settings.model_name)
+    )
+    if path.is_file():
+        return ModelSource("gguf", path, served)
+    return source_in_directory(path, served)
+
+
+def served_name(settings: Settings) -> str:
+    """The name the API reports and accepts, known before anything is loaded."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model_name is None:
+        return EMBEDDED_MODEL_NAME
+    path = Path(settings.model_name).expanduser()
+    store = read_store_descriptor(path) if path.is_dir() else None
+    if store is not None and store.get("model"):
+        return str(store["model"])
+    return default_served_name(settings.model_name)
+
+
+# Profile precision -> the torch engine's dtype setting.
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def settings_for_profile(settings: Settings, profile: Profile) -> Settings:
+    """Settings the engine runs with: the profile's precision and KV cache type unless set explicitly."""
+    update: dict[str, object] = {}
+    if settings.dtype == "auto" and profile.precision in TORCH_DTYPES:
+        update["dtype"] = TORCH_DTYPES[profile.precision]
+    if settings.kv_cache_dtype == "auto" and profile.kv_cache_dtype != "auto":
+        update["kv_cache_dtype"] = profile.kv_cache_dtype
+    return settings.model_copy(update=update)

@@ -1,0 +1,365 @@
+"""Model profiles: which prebuilt precision/parallelism variant runs on this system, and why.
+
+Selection, in order:
+  1. Drop what cannot run, with the reason: the engine is not importable; the profile needs more
+     GPUs (tp x pp) than are visible, or a GPU at all; it was built for another GPU family; the
+     compute capability lacks the precision (fp8 needs 8.9+, nvfp4 10.0+, bf16 8.0+); or the
+     weights plus a KV cache for the full context do not fit per device by the KV formula
+     (2 x layers x kv_heads x head_dim x bytes per token, split over tp and pp).
+  2. A profile whose weights fit but whose full context does not is "low memory": it is offered
+     with the longest context that fits (a multiple of 1,024 tokens, at least MIN_CONTEXT).
+  3. Rank the rest: TensorRT-LLM over torch, hardware-specific over generic, lower precision
+     first, the configured profile type (throughput or latency) first, then the smallest tp for
+     throughput (the largest for latency), LoRA-less and model-dtype KV cache before variants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from service.hardware import SystemInfo
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+Engine = Literal["tensorrt_llm", "torch"]
+Status = Literal["compatible", "low_memory", "incompatible"]
+
+PRECISIONS = ("nvfp4", "fp8", "int4_wo", "int8_wo", "bf16", "fp16", "fp32")
+# Minimum compute capability per precision (weights and compute).
+MIN_CAPABILITY = {"nvfp4": (10, 0), "fp8": (8, 9), "bf16": (8, 0), "int4_wo": (7, 5), "int8_wo": (7, 5)}
+BYTES_PER_ELEMENT = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "nvfp4": 2,
+    "int4_wo": 2,
+    "int8_wo": 2,
+}
+GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU's memory the engine may plan for
+CPU_MEMORY_UTILIZATION = 0.8
+RUNTIME_OVERHEAD_BYTES = 1 << 30  # activations, workspaces, CUDA context
+MIN_CONTEXT = 1024
+
+
+class ProfileError(ValueError):
+    """A manifest is malformed, or a requested profile does not exist or cannot run here."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class ArtifactSource:
+    repo: str  # hub repo id, or "embedded" for the packaged default model
+    revision: str
+    files: tuple[str, ...] = ()  # empty: every file a model needs (weights, config, tokenizer)
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    llm_engine: Engine
+    precision: str
+    gpu: str  # a GPU family tag (hardware.GPUInfo.family) or "generic"
+    tp: int
+    pp: int
+    profile: Literal["throughput", "latency"]
+    kv_cache_dtype: str
+    feat_lora: bool
+    weights_gb: float
+    source: ArtifactSource
+    lora_max_rank: int | None = None
+
+    @cached_property
+    def id(self) -> str:
+        """SHA-256 of the canonical content: stable across runs, changes exactly when the profile does."""
+        content = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(content.encode()).hexdigest()
+
+    @property
+    def name(self) -> str:
+        base = f"{self.llm_engine}-{self.gpu}-{self.precision}-tp{self.tp}-pp{self.pp}-{self.profile}"
+        if self.kv_cache_dtype not in ("auto", self.precision):
+            base += f"-kv{self.kv_cache_dtype}"
+        return base + ("-lora" if self.feat_lora else "")
+
+    def tags(self) -> dict[str, Any]:
+        return {
+            "llm_engine": self.llm_engine,
+            "precision": self.precision,
+            "tp": self.tp,
+            "pp": self.pp,
+            "gpu": self.gpu,
+            "profile": self.profile,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "feat_lora": self.feat_lora,
+            **({"feat_lora_max_rank": self.lora_max_rank} if self.feat_lora else {}),
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    match: tuple[str, ...]
+    architecture: Architecture
+    profiles: tuple[Profile, ...]
+    path: Path | None = None
+
+
+def load_manifest(path: Path) -> Manifest:
+    try:
+        data = yaml.safe_load(path.read_text())
+        arch = Architecture(**data["architecture"])
+        defaults = data.get("defaults", {})
+        profiles = []
+        for entry in data["profiles"]:
+            merged = {**defaults, **entry}
+            raw_source = dict(merged.pop("source"))
+            source = ArtifactSource(
+                repo=raw_source["repo"],
+                revision=str(raw_source["revision"]),
+                files=tuple(raw_source.get("files", ())),
+            )
+            profile = Profile(model=data["model"], source=source, **merged)
+            if profile.precision not in PRECISIONS:
+                raise ValueError(f"unknown precision {profile.precision!r}")
+            profiles.append(profile)
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
+        raise ProfileError(f"{path}: invalid manifest ({exc})") from None
+    return Manifest(data["model"], tuple(data.get("match", ())), arch, tuple(profiles), path)
+
+
+def load_manifests(directory: Path = PROFILES_DIR) -> list[Manifest]:
+    return [load_manifest(p) for p in sorted(directory.glob("*.yaml"))]
+
+
+def find_manifest(name: str, manifests: Iterable[Manifest]) -> Manifest | None:
+    """The manifest whose model name or `match` list names `name` (case-insensitive)."""
+    wanted = name.lower()
+    for manifest in manifests:
+        if wanted == manifest.model.lower() or wanted in (m.lower() for m in manifest.match):
+            return manifest
+    return None
+
+
+def generic_manifest(model: str, repo: str, arch: Architecture, weights_bytes: int) -> Manifest:
+    """Profiles for a model nobody wrote a manifest for: torch in bf16 (fp16, fp32 fallbacks)."""
+    weights_gb = weights_bytes / 1e9
+    source = ArtifactSource(repo=repo, revision="main")
+    profiles = tuple(
+        Profile(
+            model=model,
+            llm_engine="torch",
+            precision=precision,
+            gpu="generic",
+            tp=1,
+            pp=1,
+            profile="throughput",
+            kv_cache_dtype="auto",
+            feat_lora=False,
+            weights_gb=round(weights_gb * BYTES_PER_ELEMENT[precision] / 2, 3),
+            source=source,
+        )
+        for precision in ("bf16", "fp16", "fp32")
+    )
+    return Manifest(model, (repo,), arch, profiles)
+
+
+# --- Compatibility -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the operator asked for; everything else comes from the system."""
+
+    engines: frozenset[str]  # engines this build can serve with
+    engine_notes: tuple[tuple[str, str], ...] = ()  # (engine, why it is unavailable)
+    profile_type: Literal["throughput", "latency"] = "throughput"
+    max_model_len: int | None = None
+    tensor_parallel_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    profile: Profile
+    status: Status
+    reasons: tuple[str, ...] = ()
+    max_context: int | None = None  # the context that fits, for low-memory profiles
+    required_gb_per_device: float = 0.0
+
+    def summary(self) -> str:
+        if self.status == "compatible":
+            return f"fits: {self.required_gb_per_device:.1f} GB per device"
+        return "; ".join(self.reasons)
+
+
+def kv_bytes_per_token_per_device(profile: Profile, arch: Architecture) -> float:
+    kv_dtype = profile.precision if profile.kv_cache_dtype == "auto" else profile.kv_cache_dtype
+    element = BYTES_PER_ELEMENT.get(kv_dtype, 2)
+    if kv_dtype in ("nvfp4", "int4_wo", "int8_wo"):  # weight-only / fp4 weights keep a 16-bit cache
+        element = 2
+    heads_per_device = max(1, arch.num_kv_heads // profile.tp)
+    layers_per_device = -(-arch.num_layers // profile.pp)
+    return 2 * layers_per_device * heads_per_device * arch.head_dim * element
+
+
+def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: Policy) -> Verdict:
+    reasons: list[str] = []
+    if profile.llm_engine not in policy.engines:
+        notes = dict(policy.engine_notes)
+        reasons.append(notes.get(profile.llm_engine, f"{profile.llm_engine} is not installed in this image"))
+    if policy.tensor_parallel_size is not None and profile.tp != policy.tensor_parallel_size:
+        reasons.append(f"tp={profile.tp}, but NIM_TENSOR_PARALLEL_SIZE={policy.tensor_parallel_size}")
+    devices = profile.tp * profile.pp
+    gpus = system.gpus[:devices]
+    if not system.gpus:
+        if profile.llm_engine == "tensorrt_llm":
+            reasons.append(f"needs an NVIDIA GPU; none found ({system.nvml_status})")
+        elif devices > 1:
+            reasons.append(f"needs {devices} GPUs; none found ({system.nvml_status})")
+        elif profile.precision not in ("bf16", "fp32"):
+            reasons.append(f"{profile.precision} needs a GPU; the CPU engine runs bf16 and fp32")
+    else:
+        if len(system.gpus) < devices:
+            reasons.append(
+                f"needs {devices} GPUs (tp={profile.tp} x pp={profile.pp}), found {len(system.gpus)}"
+            )
+        family = system.gpus[0].family
+        if profile.gpu != "generic" and profile.gpu != family:
+            reasons.append(f"built for {profile.gpu.upper()}; this system has {family.upper()}")
+        needed = MIN_CAPABILITY.get(profile.precision)
+        if needed is not None:
+            low = min(g.compute_capability for g in gpus)
+            if low < needed:
+                reasons.append(
+                    f"{profile.precision} needs compute capability {needed[0]}.{needed[1]}+, "
+                    f"the GPU has {low[0]}.{low[1]}"
+                )
+    if reasons:
+        return Verdict(profile, "incompatible", tuple(reasons))
+    return _check_memory(profile, arch, system, policy)
+
+
+def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, policy: Policy) -> Verdict:
+    devices = profile.tp * profile.pp
+    if system.gpus:
+        capacity = min(g.memory_total for g in system.gpus[:devices]) * GPU_MEMORY_UTILIZATION
+        where = "GPU"
+    else:
+        capacity = system.cpu.memory_total * CPU_MEMORY_UTILIZATION
+        where = "host memory"
+    weights = profile.weights_gb * 1e9 / devices
+    per_token = kv_bytes_per_token_per_device(profile, arch)
+    context = min(policy.max_model_len or arch.max_context, arch.max_context)
+    required = weights + RUNTIME_OVERHEAD_BYTES + per_token * context
+    gb = 1e9
+    if weights + RUNTIME_OVERHEAD_BYTES + per_token * MIN_CONTEXT > capacity:
+        return Verdict(
+            profile,
+            "incompatible",
+            (f"requires >= {required / gb:.1f} GB per {where}, {capacity / gb:.1f} GB usable",),
+            required_gb_per_device=required / gb,
+        )
+    if required <= capacity:
+        return Verdict(profile, "compatible", required_gb_per_device=required / gb)
+    fits = int((capacity - weights - RUNTIME_OVERHEAD_BYTES) / per_token) // MIN_CONTEXT * MIN_CONTEXT
+    return Verdict(
+        profile,
+        "low_memory",
+        (f"requires >= {required / gb:.1f} GB per {where} for {context} tokens, try --max-model-len={fits}",),
+        max_context=fits,
+        required_gb_per_device=required / gb,
+    )
+
+
+def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
+    p = verdict.profile
+    family = system.gpus[0].family if system.gpus else "cpu"
+    precision_rank = PRECISIONS.index(p.precision)
+    if not system.gpus and p.precision == "bf16" and "avx512_bf16" not in system.cpu.isa_flags:
+        precision_rank = PRECISIONS.index("fp32") + 1  # bf16 is emulated (slow) on this CPU
+    tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
+    return (
+        0 if p.llm_engine == "tensorrt_llm" else 1,
+        0 if p.gpu == family else 1,
+        precision_rank,
+        0 if p.profile == policy.profile_type else 1,
+        tp_rank,
+        p.feat_lora,
+        p.kv_cache_dtype != "auto",
+        p.name,
+    )
+
+
+@dataclass
+class Selection:
+    chosen: Verdict
+    verdicts: list[Verdict] = field(default_factory=list)
+    explanation: list[str] = field(default_factory=list)
+
+
+def assess(manifest: Manifest, system: SystemInfo, policy: Policy) -> list[Verdict]:
+    """Every profile's verdict; compatible ones first, in preference order."""
+    verdicts = [evaluate(p, manifest.architecture, system, policy) for p in manifest.profiles]
+    order = {"compatible": 0, "low_memory": 1, "incompatible": 2}
+    return sorted(verdicts, key=lambda v: (order[v.status], rank_key(v, system, policy)))
+
+
+def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: str | None = None) -> Selection:
+    """The profile to run: `requested` (id, readable name or "default") or the best compatible one."""
+    verdicts = assess(manifest, system, policy)
+    if requested and requested != "default":
+        matches = [v for v in verdicts if requested in (v.profile.id, v.profile.name)]
+        if not matches:
+            known = ", ".join(sorted(v.profile.name for v in verdicts))
+            raise ProfileError(
+                f"NIM_MODEL_PROFILE={requested!r} names no profile of {manifest.model}; known: {known}"
+            )
+        chosen = matches[0]
+        if chosen.status == "incompatible":
+            raise ProfileError(f"profile {chosen.profile.name} cannot run here: {chosen.summary()}")
+        why = [f"selected {chosen.profile.name} ({chosen.profile.id[:12]}) as requested by NIM_MODEL_PROFILE"]
+        return Selection(chosen, verdicts, why + explain(verdicts))
+    runnable = [v for v in verdicts if v.status == "compatible"]
+    if not runnable:
+        low = [v for v in verdicts if v.status == "low_memory"]
+        hint = f"; with a shorter context: {low[0].profile.name} ({low[0].summary()})" if low else ""
+        details = "; ".join(f"{v.profile.name}: {v.summary()}" for v in verdicts[:4])
+        raise ProfileError(f"no profile of {manifest.model} fits this system ({details}){hint}")
+    chosen = runnable[0]
+    why = [
+        f"selected {chosen.profile.name} ({chosen.profile.id[:12]}): {_why_first(chosen, runnable, system)}"
+    ]
+    return Selection(chosen, verdicts, why + explain(verdicts))
+
+
+def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo) -> str:
+    p = chosen.profile
+    parts = [chosen.summary()]
+    if p.llm_engine == "tensorrt_llm":
+        parts.append("TensorRT-LLM is preferred over torch")
+    if p.gpu != "generic":
+        parts.append(f"built for this GPU ({p.gpu.upper()})")
+    parts.append(f"lowest runnable precision ({p.precision})")
+    if len(runnable) > 1:
+        parts.append(f"{len(runnable) - 1} other compatible profile(s) ranked lower")
+    return "; ".join(parts)
+
+
+def explain(verdicts: Sequence[Verdict]) -> list[str]:
+    return [f"  {v.status:<12} {v.profile.name:<52} {v.summary()}" for v in verdicts]

@@ -1,0 +1,128 @@
+"""The NIM-named commands, run as real processes: detect, list-model-profiles, download-to-cache,
+create-model-store (and serving what it creates with networking disabled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+
+from service.hardware import SystemInfo
+from service.profiles import find_manifest, load_manifests
+from tests.conftest import EMBEDDED_NAME, REPO, free_port, start_server, wait_ready
+
+SYSTEMS = Path(__file__).parent / "systems"
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
+    full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(REPO / "entrypoint.py"), *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def embedded_profile(name: str = "torch-generic-bf16-tp1-pp1-throughput"):
+    manifest = find_manifest("embedded", load_manifests())
+    assert manifest is not None
+    return next(p for p in manifest.profiles if p.name == name)
+
+
+def test_detect_prints_the_system_as_json() -> None:
+    done = run_cli("detect")
+    assert done.returncode == 0, done.stderr
+    system = SystemInfo.from_dict(json.loads(done.stdout))
+    assert system.cpu.cores >= 1
+    assert system.gpus == () and system.nvml_status != "ok"  # no GPU on the test machines
+
+
+def test_list_model_profiles_for_the_embedded_model() -> None:
+    done = run_cli("list-model-profiles")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "SYSTEM INFO" in out and "MODEL PROFILES (smollm2-135m-instruct)" in out
+    assert "Compatible with system and runnable:" in out
+    selected = [line for line in out.splitlines() if "(selected)" in line]
+    assert len(selected) == 1 and "torch-generic-bf16-tp1-pp1-throughput" in selected[0]
+    assert embedded_profile().id in selected[0]
+    assert "tensorrt_llm is not installed" in out
+
+
+def test_list_model_profiles_on_an_injected_gpu_system() -> None:
+    env = {
+        "NIM_SYSTEM_INFO": str(SYSTEMS / "rtx4090_x1.json"),
+        "NIM_MODEL_NAME": "meta-llama/Llama-3.1-8B-Instruct",
+    }
+    done = run_cli("list-model-profiles", env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "RTX 4090" in out
+    low = out.split("Compatible with system but low memory:")[1].split("Incompatible with system:")[0]
+    assert "torch-generic-bf16-tp1-pp1-throughput" in low and "--max-model-len=" in low
+    incompatible = out.split("Incompatible with system:")[1]
+    assert "built for H100" in incompatible and "With LoRA support:" in out
+
+
+def test_an_explicit_profile_that_cannot_run_stops_start_up() -> None:
+    nvfp4 = "tensorrt_llm-b200-nvfp4-tp1-pp1-throughput-kvfp8"
+    env = {"NIM_MODEL_NAME": "meta-llama/Llama-3.1-8B-Instruct", "NIM_MODEL_PROFILE": nvfp4}
+    done = run_cli("download-to-cache", "--profiles", "no-such-profile", env=env)
+    assert done.returncode == 1 and "names no profile" in done.stderr
+    done = run_cli("serve", "--port", str(free_port()), env=env)
+    assert done.returncode == 1
+    assert "cannot run here" in done.stderr and nvfp4 in done.stderr
+
+
+def test_download_to_cache_resolves_the_selected_profile(tmp_path: Path) -> None:
+    done = run_cli("download-to-cache", env={"NIM_CACHE_PATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert embedded_profile().id in done.stdout and ".gguf" in done.stdout
+
+
+def test_create_model_store_serves_offline(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    profile = embedded_profile()
+    done = run_cli("create-model-store", "--profile", profile.id, "--model-store", str(store))
+    assert done.returncode == 0, done.stderr
+    descriptor = json.loads((store / "nim_model_store.json").read_text())
+    assert descriptor["profile_id"] == profile.id
+    assert (store / "SmolLM2-135M-Instruct.Q4_1.gguf").stat().st_size > 90_000_000
+
+    again = run_cli("create-model-store", "--profile", profile.id, "--model-store", str(store))
+    assert again.returncode == 1 and "not empty" in again.stderr
+
+    # No network and an empty cache: everything comes from the store.
+    env = {
+        "NIM_MODEL_NAME": str(store),
+        "HF_HUB_OFFLINE": "1",
+        "NIM_CACHE_PATH": str(tmp_path / "empty-cache"),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
+    server = start_server(tmp_path / "log", env=env)
+    try:
+        wait_ready(server)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(
+            model=EMBEDDED_NAME,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=16,
+        )
+        assert "Paris" in out.choices[0].message.content
+        meta = httpx.get(f"{server.base_url}/v1/metadata").json()
+        assert meta["selectedProfile"]["id"] == profile.id
+    finally:
+        assert server.stop() == 0

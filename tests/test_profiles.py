@@ -1,0 +1,210 @@
+"""Profile manifests, ids, and selection on injected systems (no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.hardware import SystemInfo, load_system
+from service.profiles import (
+    Architecture,
+    Policy,
+    ProfileError,
+    assess,
+    find_manifest,
+    generic_manifest,
+    load_manifests,
+    select,
+)
+
+SYSTEMS = Path(__file__).parent / "systems"
+CONTAINER = Policy(engines=frozenset({"tensorrt_llm", "torch"}))  # the GPU image: both engines
+TORCH_ONLY = Policy(engines=frozenset({"torch"}))
+
+
+def system(name: str) -> SystemInfo:
+    return load_system(SYSTEMS / f"{name}.json")
+
+
+@pytest.fixture(scope="module")
+def manifests():
+    return load_manifests()
+
+
+def manifest(manifests, name: str):
+    found = find_manifest(name, manifests)
+    assert found is not None, name
+    return found
+
+
+def test_manifests_ship_for_the_required_models(manifests) -> None:
+    for hub_id in (
+        "embedded",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+    ):
+        assert find_manifest(hub_id, manifests) is not None, hub_id
+    assert find_manifest("META-LLAMA/llama-3.1-8b-instruct", manifests) is not None  # case-insensitive
+    assert find_manifest("someone/unknown-model", manifests) is None
+
+
+def test_profile_ids_are_stable_content_hashes(manifests) -> None:
+    ids = [p.id for m in manifests for p in m.profiles]
+    assert all(len(i) == 64 and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) == len(ids)
+    again = [p.id for m in load_manifests() for p in m.profiles]
+    assert again == ids
+    names = [p.name for m in manifests for p in m.profiles]
+    assert "tensorrt_llm-h100-fp8-tp2-pp1-latency" in names
+
+
+@pytest.mark.parametrize(
+    ("system_name", "model", "policy", "expected"),
+    [
+        ("cpu_only", "embedded", TORCH_ONLY, "torch-generic-bf16-tp1-pp1-throughput"),
+        ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", CONTAINER, "tensorrt_llm-h100-fp8-tp1-pp1-throughput"),
+        ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", TORCH_ONLY, "torch-generic-bf16-tp1-pp1-throughput"),
+        (
+            "h100x8",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-h100-fp8-tp2-pp1-throughput",
+        ),
+        (
+            "h100x8",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            Policy(engines=CONTAINER.engines, profile_type="latency"),
+            "tensorrt_llm-h100-fp8-tp4-pp1-latency",
+        ),
+        (
+            "h200x1",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-h200-fp8-tp1-pp1-throughput",
+        ),
+        (
+            "b200x1",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-b200-nvfp4-tp1-pp1-throughput-kvfp8",
+        ),
+        (
+            "a100_80gb_x1",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-a100-bf16-tp1-pp1-throughput",
+        ),
+        (
+            "a100_40gb_x1",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-a100-bf16-tp1-pp1-throughput",
+        ),
+        (
+            "l40s_x1",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-l40s-fp8-tp1-pp1-throughput",
+        ),
+        (
+            "rtx4090_x1",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-generic-fp8-tp1-pp1-throughput",
+        ),
+        (
+            "a100_mig_slice",
+            "Qwen/Qwen2.5-7B-Instruct",
+            CONTAINER,
+            "tensorrt_llm-generic-int4_wo-tp1-pp1-throughput",
+        ),
+    ],
+)
+def test_selection(manifests, system_name: str, model: str, policy: Policy, expected: str) -> None:
+    selection = select(manifest(manifests, model), system(system_name), policy)
+    assert selection.chosen.profile.name == expected, selection.explanation
+    assert selection.chosen.status == "compatible"
+    assert selection.explanation[0].startswith(f"selected {expected}")
+
+
+def test_reasons_for_incompatible_profiles(manifests) -> None:
+    verdicts = {
+        v.profile.name: v
+        for v in select(
+            manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct"), system("a100_80gb_x1"), CONTAINER
+        ).verdicts
+    }
+    fp8 = verdicts["tensorrt_llm-generic-fp8-tp1-pp1-throughput"]
+    assert fp8.status == "incompatible" and any("compute capability 8.9" in r for r in fp8.reasons)
+    h100 = verdicts["tensorrt_llm-h100-fp8-tp1-pp1-throughput"]
+    assert any("built for H100" in r for r in h100.reasons)
+    tp2 = verdicts["tensorrt_llm-h100-fp8-tp2-pp1-latency"]
+    assert any("needs 2 GPUs" in r for r in tp2.reasons)
+    nvfp4 = verdicts["tensorrt_llm-b200-nvfp4-tp1-pp1-throughput-kvfp8"]
+    assert any("10.0" in r for r in nvfp4.reasons)
+
+    cpu = {
+        v.profile.name: v
+        for v in select(
+            manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct"), system("cpu_only"), TORCH_ONLY
+        ).verdicts
+    }
+    assert any("not installed" in r for r in cpu["tensorrt_llm-h100-fp8-tp1-pp1-throughput"].reasons)
+
+
+def test_low_memory_profiles_suggest_a_context(manifests) -> None:
+    m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    torch_bf16 = next(
+        v for v in assess(m, system("rtx4090_x1"), TORCH_ONLY) if v.profile.llm_engine == "torch"
+    )
+    assert torch_bf16.status == "low_memory"
+    assert torch_bf16.max_context and 1024 <= torch_bf16.max_context < 131072
+    assert f"--max-model-len={torch_bf16.max_context}" in torch_bf16.summary()
+    # With that context it fits.
+    shorter = Policy(engines=TORCH_ONLY.engines, max_model_len=torch_bf16.max_context)
+    chosen = select(
+        manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct"), system("rtx4090_x1"), shorter
+    ).chosen
+    assert chosen.profile.name == "torch-generic-bf16-tp1-pp1-throughput"
+
+
+def test_no_profile_fits_is_explained(manifests) -> None:
+    with pytest.raises(ProfileError, match=r"no profile of meta/llama-3\.3-70b-instruct fits"):
+        select(manifest(manifests, "meta-llama/Llama-3.3-70B-Instruct"), system("rtx4090_x1"), CONTAINER)
+    with pytest.raises(ProfileError, match=r"needs an NVIDIA GPU|requires"):
+        select(manifest(manifests, "meta-llama/Llama-3.3-70B-Instruct"), system("cpu_only"), CONTAINER)
+
+
+def test_explicit_profile_by_id_name_or_default(manifests) -> None:
+    m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    h100 = system("h100x1")
+    best = select(m, h100, CONTAINER).chosen.profile
+    assert select(m, h100, CONTAINER, "default").chosen.profile == best
+    torch_profile = next(p for p in m.profiles if p.llm_engine == "torch")
+    assert select(m, h100, CONTAINER, torch_profile.id).chosen.profile == torch_profile
+    assert select(m, h100, CONTAINER, torch_profile.name).chosen.profile == torch_profile
+    with pytest.raises(ProfileError, match="cannot run here"):
+        select(m, h100, CONTAINER, "tensorrt_llm-b200-nvfp4-tp1-pp1-throughput-kvfp8")
+    with pytest.raises(ProfileError, match="names no profile"):
+        select(m, h100, CONTAINER, "f" * 64)
+
+
+def test_tensor_parallel_override(manifests) -> None:
+    m = manifest(manifests, "meta-llama/Llama-3.3-70B-Instruct")
+    policy = Policy(engines=CONTAINER.engines, tensor_parallel_size=4)
+    assert select(m, system("h100x8"), policy).chosen.profile.tp == 4
+
+
+def test_generic_profiles_for_unknown_models() -> None:
+    arch = Architecture(num_layers=4, num_kv_heads=2, head_dim=16, max_context=2048)
+    m = generic_manifest("my-model", "/models/my-model", arch, weights_bytes=10_000_000)
+    chosen = select(m, system("cpu_only"), TORCH_ONLY).chosen
+    assert chosen.profile.llm_engine == "torch" and chosen.profile.gpu == "generic"
+    assert {p.precision for p in m.profiles} == {"bf16", "fp16", "fp32"}
+    fp16 = next(
+        v for v in select(m, system("cpu_only"), TORCH_ONLY).verdicts if v.profile.precision == "fp16"
+    )
+    assert fp16.status == "incompatible"
