@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(serve)
     listing = commands.add_parser("list-model-profiles", help="show the system and which profiles can run")
     _add_model_flags(listing)
+    listing.add_argument("--explain", action="store_true", help="also say why the selected profile won")
     download = commands.add_parser("download-to-cache", help="download profiles into NIM_CACHE_PATH")
     _add_model_flags(download)
     download.add_argument(
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "detect":
             commands.detect(settings)
         elif args.command == "list-model-profiles":
-            commands.list_model_profiles(settings)
+            commands.list_model_profiles(settings, explain=args.explain)
         elif args.command == "download-to-cache":
             commands.download_to_cache(settings, args.profiles or [], args.all)
         else:

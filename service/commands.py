@@ -22,7 +22,7 @@ def detect(settings: Settings) -> None:
     print(json.dumps(current_system(settings).to_dict(), indent=2))
 
 
-def list_model_profiles(settings: Settings) -> None:
+def list_model_profiles(settings: Settings, explain: bool = False) -> None:
     system = current_system(settings)
     print(describe(system))
     try:
@@ -31,9 +31,10 @@ def list_model_profiles(settings: Settings) -> None:
         raise CommandError(str(exc)) from None
     verdicts = assess(manifest, system, policy_for(settings))
     try:
-        selected = make_plan(settings).profile.id
-    except ProfileError:
-        selected = None
+        plan = make_plan(settings)
+        selected, why = plan.profile.id, plan.selection.explanation[0]
+    except ProfileError as exc:
+        selected, why = None, f"no profile selected: {exc}"
     print(f"MODEL PROFILES ({manifest.model})")
     groups = [
         ("Compatible with system and runnable:", [v for v in verdicts if v.status == "compatible"]),
@@ -52,6 +53,12 @@ def list_model_profiles(settings: Settings) -> None:
                 print(_line(verdict, selected, "    "))
         if not members:
             print("  (none)")
+    if explain:
+        print("SELECTION")
+        print(f"- {why}")
+        print("- ranking: TensorRT-LLM over torch, built for this GPU over generic, lower precision first,")
+        order = "smallest" if settings.profile_type == "throughput" else "largest"
+        print(f"  {settings.profile_type} profiles first, then the {order} tp")
 
 
 def _line(verdict: Verdict, selected: str | None, indent: str) -> str:

@@ -49,7 +49,7 @@ def test_detect_prints_the_system_as_json() -> None:
 
 
 def test_list_model_profiles_for_the_embedded_model() -> None:
-    done = run_cli("list-model-profiles")
+    done = run_cli("list-model-profiles", "--explain")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "SYSTEM INFO" in out and "MODEL PROFILES (smollm2-135m-instruct)" in out
@@ -58,6 +58,11 @@ def test_list_model_profiles_for_the_embedded_model() -> None:
     assert len(selected) == 1 and "torch-generic-bf16-tp1-pp1-throughput" in selected[0]
     assert embedded_profile().id in selected[0]
     assert "tensorrt_llm is not installed" in out
+    explanation = out.split("SELECTION")[1]
+    assert (
+        "selected torch-generic-bf16-tp1-pp1-throughput" in explanation
+        and "lowest runnable precision" in explanation
+    )
 
 
 def test_list_model_profiles_on_an_injected_gpu_system() -> None:
