@@ -143,6 +143,29 @@ class Settings(BaseSettings):
         validation_alias=_env("HF_HUB_OFFLINE"),
         description="Never contact the hub: serve and download only from the cache.",
     )
+    api_key: SecretStr | None = Field(
+        None,
+        validation_alias=_env("NIM_API_KEY"),
+        description="Require `Authorization: Bearer <key>` on the API (comma-separate several keys).",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        validation_alias=_env("NIM_API_KEYS_FILE"),
+        description="File of accepted API keys, one per line; re-read when it changes.",
+    )
+    cors_allow_origins: str | None = Field(
+        None,
+        validation_alias=_env("NIM_CORS_ALLOW_ORIGINS"),
+        description="Comma-separated origins allowed by CORS (`*` for any); unset = no CORS headers.",
+    )
+    cors_allow_methods: str = Field(
+        "GET,POST,OPTIONS", validation_alias=_env("NIM_CORS_ALLOW_METHODS"), description="CORS methods."
+    )
+    cors_allow_headers: str = Field(
+        "Authorization,Content-Type,X-Request-Id",
+        validation_alias=_env("NIM_CORS_ALLOW_HEADERS"),
+        description="CORS request headers.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -159,6 +182,16 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def api_keys(self) -> list[str]:
+        if self.api_key is None:
+            return []
+        return [k.strip() for k in self.api_key.get_secret_value().split(",") if k.strip()]
+
+    @staticmethod
+    def split(value: str | None) -> list[str]:
+        return [v.strip() for v in (value or "").split(",") if v.strip()]
 
     @property
     def kv_cache_fraction(self) -> float | None:

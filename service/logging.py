@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
 import time
 from typing import Any
+
+# The id of the HTTP request being served (set by the API middleware), stamped on every log record.
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = request_id_var.get()
+        if request_id is not None and not hasattr(record, "request_id"):
+            record.request_id = request_id
+        return True
+
 
 _RESERVED = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -28,6 +41,7 @@ class JSONLinesFormatter(logging.Formatter):
 
 def configure_logging(level: str, jsonl: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
     if jsonl:
         handler.setFormatter(JSONLinesFormatter())
     else:

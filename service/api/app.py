@@ -14,11 +14,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
 from service.api import openai_routes, system_routes
 from service.api.errors import install_error_handlers
+from service.api.middleware import RequestContextMiddleware
+from service.api.security import APIKeyStore
 from service.api.state import ModelInfo, Ready, ServiceState
 from service.config import Settings
 from service.engine.torch.loading import PRECISION_NAMES, load_torch_engine
@@ -56,8 +59,20 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     app.state.service = state
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(openai_routes.tokens_router)
     app.include_router(system_routes.router)
+    # Added innermost first: CORS answers preflights before authentication is asked for.
+    app.add_middleware(RequestContextMiddleware, keys=APIKeyStore(settings.api_keys, settings.api_keys_file))
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
+    origins = settings.split(settings.cors_allow_origins)
+    if origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=settings.split(settings.cors_allow_methods),
+            allow_headers=settings.split(settings.cors_allow_headers),
+            expose_headers=["x-request-id"],
+        )
     return app
 
 

@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from service.api.errors import APIError, invalid_request
+from service.api.middleware import current_request_id
 from service.api.schemas import SamplingFields, Usage
 from service.engine.protocol import Engine, GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The response id: the caller's x-request-id when it sent one, so logs and responses agree."""
+    return f"{prefix}-{current_request_id() or uuid.uuid4().hex}"
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
@@ -201,9 +203,10 @@ def build_requests(
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice); choice index = prompt_index * n + j."""
     now = time.monotonic()
+    unique = uuid.uuid4().hex[:8]  # callers may reuse an x-request-id; engine ids must not collide
     return [
         GenerationRequest(
-            request_id=f"{request_id}-{p * request.n + j}",
+            request_id=f"{request_id}-{unique}-{p * request.n + j}",
             prompt_token_ids=prompt,
             sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs),
             arrival_time=now,

@@ -34,10 +34,14 @@ from service.api.schemas import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
     ResponseMessage,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from service.api.state import Ready, ServiceState
 from service.engine.protocol import GenerationRequest
@@ -49,6 +53,7 @@ ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 404, 413, 42
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+tokens_router = APIRouter(responses=ERROR_RESPONSES)  # vLLM-style paths, for gateways that count tokens
 
 
 def _state(request: Request) -> ServiceState:
@@ -310,3 +315,34 @@ def _sse_error(err: APIError) -> str:
     return (
         f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n" + "data: [DONE]\n\n"
     )
+
+
+# --- Tokens (vLLM-compatible) --------------------------------------------------------------------
+
+
+@tokens_router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    ready = _ready_for(_state(request), body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("send exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = ready.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "messages") from None
+        tokens = ready.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        tokens = ready.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=ready.info.max_model_len, tokens=tokens)
+
+
+@tokens_router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    ready = _ready_for(_state(request), body.model)
+    vocab = ready.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise invalid_request(f"token ids must be in [0, {vocab})", "tokens")
+    return DetokenizeResponse(prompt=ready.tokenizer.decode(body.tokens, skip_special_tokens=False))

@@ -1,0 +1,80 @@
+"""Per-request context: request id (accepted from x-request-id or generated, echoed back) and
+API-key authentication. Health, metrics, version and the API docs stay open and cheap."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.errors import error_body
+from service.api.security import APIKeyStore
+from service.logging import request_id_var
+
+OPEN_PATHS = ("/v1/health/", "/v1/metrics", "/v1/version", "/docs", "/openapi.json", "/redoc")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def current_request_id() -> str | None:
+    return request_id_var.get()
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, keys: APIKeyStore) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        incoming = headers.get("x-request-id", "")
+        request_id = incoming if _SAFE_ID.match(incoming) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        echo = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), echo]
+            await send(message)
+
+        try:
+            if (
+                self.keys.enabled
+                and not scope["path"].startswith(OPEN_PATHS)
+                and not self._authorized(headers)
+            ):
+                await _unauthorized(send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, credential = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and bool(credential) and self.keys.verify(credential.strip())
+
+
+async def _unauthorized(send: Send) -> None:
+    body = json.dumps(
+        error_body(
+            "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
+        )
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
