@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -103,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
 def serve(settings: Settings) -> int:
     """Run until stopped; returns the process exit code (non-zero when the model failed)."""
     from service.api.app import create_app
+    from service.server import DrainingServer
 
     failure: list[str] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
         failure.append(reason)
@@ -113,30 +113,19 @@ def serve(settings: Settings) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
+    state = app.state.service
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=settings.python_log_level.lower(),
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=5,  # what is still open after the drain
     )
-    server = uvicorn.Server(config)
-    _absorb_stop_signals()
+    server = DrainingServer(config, state.begin_drain, state.busy, settings.shutdown_grace_seconds)
     log.info("listening on http://%s:%d", settings.host, settings.port)
     server.run()
     if failure:
         log.error("exiting: %s", failure[0])
         return 1
     return 0
-
-
-def _absorb_stop_signals() -> None:
-    """SIGTERM/SIGINT mean "shut down gracefully", which uvicorn does; exit 0 afterwards.
-
-    uvicorn re-raises the signal it caught once it has shut down, to run the previous handler;
-    with the default handler that kills the process with -SIGTERM, which orchestrators read as
-    a crash. Our handler is the previous one, so the re-raise lands here and does nothing.
-    """
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)

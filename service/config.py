@@ -166,6 +166,46 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_CORS_ALLOW_HEADERS"),
         description="CORS request headers.",
     )
+    max_pending_requests: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_MAX_PENDING_REQUESTS"),
+        description="Generation requests accepted at once (running + queued); beyond it 429 with "
+        "Retry-After. Default 4 x NIM_MAX_NUM_SEQS.",
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        validation_alias=_env("NIM_MAX_REQUEST_BYTES"),
+        description="Largest request body accepted; larger ones get 413.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, validation_alias=_env("NIM_MAX_PROMPT_TOKENS"), description="Cap on prompt tokens (400)."
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_MAX_COMPLETION_TOKENS"),
+        description="Cap on max_tokens / max_completion_tokens a request may ask for (400).",
+    )
+    request_timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        validation_alias=_env("NIM_REQUEST_TIMEOUT_SECONDS"),
+        description="Abort a generation that runs longer (504, or an error frame when streaming).",
+    )
+    always_include_usage: bool = Field(
+        False,
+        validation_alias=_env("NIM_ALWAYS_INCLUDE_USAGE"),
+        description="End every stream with the usage chunk, as if stream_options.include_usage were set "
+        "(gateways meter tokens from it).",
+    )
+    shutdown_grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        validation_alias=_env("NIM_SHUTDOWN_GRACE_SECONDS"),
+        description="On SIGTERM, how long in-flight requests may run on before the server stops.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -182,6 +222,10 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def pending_limit(self) -> int:
+        return self.max_pending_requests or 4 * self.max_num_seqs
 
     @property
     def api_keys(self) -> list[str]:

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import service
 from service.api import openai_routes, system_routes
 from service.api.errors import install_error_handlers
-from service.api.middleware import RequestContextMiddleware
+from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from service.api.security import APIKeyStore
 from service.api.state import ModelInfo, Ready, ServiceState
 from service.config import Settings
@@ -62,6 +62,7 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     app.include_router(openai_routes.tokens_router)
     app.include_router(system_routes.router)
     # Added innermost first: CORS answers preflights before authentication is asked for.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestContextMiddleware, keys=APIKeyStore(settings.api_keys, settings.api_keys_file))
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
     origins = settings.split(settings.cors_allow_origins)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from service.api.errors import APIError, invalid_request
 from service.api.middleware import current_request_id
 from service.api.schemas import SamplingFields, Usage
+from service.config import Settings
 from service.engine.protocol import Engine, GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -24,10 +25,28 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{current_request_id() or uuid.uuid4().hex}"
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
-    """Validate lengths; return the number of tokens the completion may take."""
+def check_context(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    settings: Settings | None = None,
+) -> int:
+    """Validate lengths against the context and the operator's caps; return the completion budget."""
     if num_prompt_tokens == 0:
         raise invalid_request("the prompt is empty", param)
+    prompt_cap = settings.max_prompt_tokens if settings else None
+    if prompt_cap is not None and num_prompt_tokens > prompt_cap:
+        raise invalid_request(
+            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {prompt_cap}", param
+        )
+    completion_cap = settings.max_completion_tokens if settings else None
+    if completion_cap is not None:
+        if max_tokens is not None and max_tokens > completion_cap:
+            raise invalid_request(
+                f"max_tokens {max_tokens} exceeds this server's limit of {completion_cap}", "max_tokens"
+            )
+        max_model_len = min(max_model_len, num_prompt_tokens + completion_cap)
     room = max_model_len - num_prompt_tokens
     if room < 1 or (max_tokens is not None and max_tokens > room):
         requested = num_prompt_tokens + (max_tokens or 0)
@@ -184,13 +203,27 @@ async def merged(
                 await task
 
 
-async def collect(engine: Engine, requests: Sequence[GenerationRequest]) -> list[ChoiceResult]:
+async def collect(
+    engine: Engine, requests: Sequence[GenerationRequest], timeout_s: float | None = None
+) -> list[ChoiceResult]:
+    """Run requests to completion; past `timeout_s` they are aborted and the caller gets a 504."""
     results = [ChoiceResult() for _ in requests]
-    async for index, out in merged(engine, requests):
-        if out.error is not None or out.finish_reason == "abort":
-            raise engine_error(out)
-        results[index].add(out)
+
+    async def run() -> None:
+        async for index, out in merged(engine, requests):
+            if out.error is not None or out.finish_reason == "abort":
+                raise engine_error(out)
+            results[index].add(out)
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except TimeoutError:
+        raise timed_out(timeout_s) from None
     return results
+
+
+def timed_out(timeout_s: float | None) -> APIError:
+    return APIError(504, f"generation did not finish within {timeout_s:g} s", "server_error", None, "timeout")
 
 
 def build_requests(

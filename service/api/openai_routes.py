@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from service.api.errors import APIError, error_body, invalid_request, model_not_found
 from service.api.generation import (
@@ -21,6 +22,7 @@ from service.api.generation import (
     merged,
     new_id,
     reject_unsupported,
+    timed_out,
     usage,
 )
 from service.api.logprobs import chat_logprobs, completion_logprobs
@@ -103,17 +105,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     prompt = ready.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
-    budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param)
+    state = _state(request)
+    budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param, state.settings)
 
     request_id = new_id("chatcmpl")
     logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs
     )
+    state.admit()
     if body.stream:
-        return _sse(_chat_stream(ready, body, request_id, engine_requests, len(prompt)))
-
-    results = await collect(ready.engine, engine_requests)
+        return _sse(
+            _chat_stream(
+                ready, body, request_id, engine_requests, len(prompt), state.settings.always_include_usage
+            ),
+            state,
+        )
+    try:
+        results = await collect(ready.engine, engine_requests, state.settings.request_timeout_seconds)
+    finally:
+        state.release()
     choices = [
         ChatChoice(
             index=i,
@@ -138,14 +149,16 @@ async def _chat_stream(
     request_id: str,
     requests: list[GenerationRequest],
     num_prompt: int,
+    always_usage: bool,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    include_usage = body.include_usage or always_usage
 
     def chunk(choices: list[ChatChunkChoice], usage_=None) -> str:
         payload = ChatCompletionChunk(
             id=request_id, created=created, model=body.model, choices=choices, usage=usage_
         )
-        return _sse_data(payload, include_usage=body.include_usage)
+        return _sse_data(payload, include_usage=include_usage)
 
     for i in range(len(requests)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -164,7 +177,7 @@ async def _chat_stream(
             )
         if out.finished:
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=out.finish_reason)])
-    if body.include_usage:
+    if include_usage:
         yield chunk([], usage([num_prompt], sum(completion_tokens), cached))
     yield "data: [DONE]\n\n"
 
@@ -186,7 +199,11 @@ async def completions(body: CompletionRequest, request: Request):
     for prompt in prompts:
         if any(not 0 <= t < vocab for t in prompt):
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    budgets = [check_context(len(p), body.max_tokens, ready.info.max_model_len, "prompt") for p in prompts]
+    state = _state(request)
+    budgets = [
+        check_context(len(p), body.max_tokens, ready.info.max_model_len, "prompt", state.settings)
+        for p in prompts
+    ]
     echoes = [ready.tokenizer.decode(p, skip_special_tokens=False) if body.echo else "" for p in prompts]
 
     request_id = new_id("cmpl")
@@ -194,10 +211,18 @@ async def completions(body: CompletionRequest, request: Request):
         sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
     )
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs)
+    state.admit()
     if body.stream:
-        return _sse(_completion_stream(ready, body, request_id, engine_requests, prompts, echoes))
-
-    results = await collect(ready.engine, engine_requests)
+        return _sse(
+            _completion_stream(
+                ready, body, request_id, engine_requests, prompts, echoes, state.settings.always_include_usage
+            ),
+            state,
+        )
+    try:
+        results = await collect(ready.engine, engine_requests, state.settings.request_timeout_seconds)
+    finally:
+        state.release()
     choices = []
     for i, r in enumerate(results):
         prompt = prompts[i // body.n]
@@ -251,14 +276,16 @@ async def _completion_stream(
     requests: list[GenerationRequest],
     prompts: list[list[int]],
     echoes: list[str],
+    always_usage: bool,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    include_usage = body.include_usage or always_usage
 
     def chunk(choices: list[CompletionChoice], usage_=None) -> str:
         payload = CompletionResponse(
             id=request_id, created=created, model=body.model, choices=choices, usage=usage_
         )
-        return _sse_data(payload, include_usage=body.include_usage)
+        return _sse_data(payload, include_usage=include_usage)
 
     completion_tokens = [0] * len(requests)
     cached = [0] * len(requests)
@@ -280,7 +307,7 @@ async def _completion_stream(
             yield chunk(
                 [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=logprobs)]
             )
-    if body.include_usage:
+    if include_usage:
         cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
         yield chunk([], usage([len(p) for p in prompts], sum(completion_tokens), cached_total))
     yield "data: [DONE]\n\n"
@@ -289,20 +316,43 @@ async def _completion_stream(
 # --- Server-sent events --------------------------------------------------------------------------
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_guard(events), media_type="text/event-stream", headers=SSE_HEADERS)
+def _sse(events: AsyncIterator[str], state: ServiceState) -> StreamingResponse:
+    """Stream events; the admission slot is released exactly once, however the stream ends
+    (finished, failed, client gone before or after the first byte)."""
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.release()
+
+    guarded = _guard(events, release, state.settings.request_timeout_seconds)
+    return StreamingResponse(
+        guarded, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(release)
+    )
 
 
-async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guard(
+    events: AsyncIterator[str], release: Callable[[], None], timeout_s: float | None
+) -> AsyncIterator[str]:
     """A failure mid-stream becomes an error frame: the status line has already gone out."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         async for event in events:
             yield event
+            if deadline is not None and time.monotonic() > deadline:
+                yield _sse_error(timed_out(timeout_s))
+                return
     except APIError as exc:
         yield _sse_error(exc)
     except Exception:
         log.exception("stream failed")
         yield _sse_error(APIError(500, "internal server error", "server_error"))
+    finally:
+        if hasattr(events, "aclose"):
+            await events.aclose()  # aborts the engine requests if the stream ended early
+        release()
 
 
 def _sse_data(payload: BaseModel, include_usage: bool) -> str:

@@ -54,6 +54,42 @@ class ServiceState:
     model: Ready | None = None
     failure: str | None = None
 
+    in_flight: int = 0  # generation requests being served (streams until their last byte)
+
+    def admit(self) -> None:
+        """Count one more generation request in, or refuse it (429) when the bounded queue is full."""
+        limit = self.settings.pending_limit
+        if self.in_flight >= limit:
+            raise APIError(
+                429,
+                f"server is at capacity ({limit} requests in flight); retry shortly",
+                "rate_limit_error",
+                None,
+                "rate_limit_exceeded",
+                {
+                    "Retry-After": "1",
+                    "x-ratelimit-limit-requests": str(limit),
+                    "x-ratelimit-remaining-requests": "0",
+                    "x-ratelimit-reset-requests": "1s",
+                },
+            )
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    def begin_drain(self) -> None:
+        """Shutting down: readiness and new requests get 503; what is in flight finishes."""
+        self.phase = "stopping"
+
+    def busy(self) -> bool:
+        if self.in_flight:
+            return True
+        if self.model is None:
+            return False
+        stats = self.model.engine.stats()
+        return bool(stats.num_running or stats.num_waiting)
+
     def require_ready(self) -> Ready:
         if self.phase == "ready" and self.model is not None and self.model.engine.ready:
             return self.model
