@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
 from pathlib import Path
 
@@ -121,11 +122,30 @@ def serve(settings: Settings) -> int:
         log_config=None,
         log_level=settings.python_log_level.lower(),
         timeout_graceful_shutdown=5,  # what is still open after the drain
+        access_log=False,  # service.access logs each request with its id, status and time
+        **tls_options(settings),
     )
     server = DrainingServer(config, state.begin_drain, state.busy, settings.shutdown_grace_seconds)
-    log.info("listening on http://%s:%d", settings.host, settings.port)
+    scheme = "http" if settings.ssl_mode == "DISABLED" else "https"
+    log.info(
+        "listening on %s://%s:%d (NIM_SSL_MODE=%s)", scheme, settings.host, settings.port, settings.ssl_mode
+    )
     server.run()
     if failure:
         log.error("exiting: %s", failure[0])
         return 1
     return 0
+
+
+def tls_options(settings: Settings) -> dict[str, object]:
+    """uvicorn's TLS arguments for NIM_SSL_MODE (files were checked when Settings were built)."""
+    if settings.ssl_mode == "DISABLED":
+        return {}
+    options: dict[str, object] = {
+        "ssl_keyfile": str(settings.ssl_key_path),
+        "ssl_certfile": str(settings.ssl_certs_path),
+    }
+    if settings.ssl_mode == "MTLS":
+        options["ssl_ca_certs"] = str(settings.ssl_ca_certs_path)
+        options["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return options

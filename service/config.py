@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -200,6 +200,22 @@ class Settings(BaseSettings):
         description="End every stream with the usage chunk, as if stream_options.include_usage were set "
         "(gateways meter tokens from it).",
     )
+    ssl_mode: Literal["DISABLED", "TLS", "MTLS"] = Field(
+        "DISABLED",
+        validation_alias=_env("NIM_SSL_MODE"),
+        description="DISABLED (plain HTTP), TLS (HTTPS), or MTLS (HTTPS that requires client certificates).",
+    )
+    ssl_key_path: Path | None = Field(
+        None, validation_alias=_env("NIM_SSL_KEY_PATH"), description="Server private key (PEM)."
+    )
+    ssl_certs_path: Path | None = Field(
+        None, validation_alias=_env("NIM_SSL_CERTS_PATH"), description="Server certificate chain (PEM)."
+    )
+    ssl_ca_certs_path: Path | None = Field(
+        None,
+        validation_alias=_env("NIM_SSL_CA_CERTS_PATH"),
+        description="CA bundle that client certificates must chain to (MTLS).",
+    )
     shutdown_grace_seconds: float = Field(
         30.0,
         ge=0,
@@ -213,7 +229,22 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
-    @field_validator("log_level", mode="before")
+    @model_validator(mode="after")
+    def _ssl_files(self) -> Settings:
+        needed = {
+            "TLS": ("ssl_key_path", "ssl_certs_path"),
+            "MTLS": ("ssl_key_path", "ssl_certs_path", "ssl_ca_certs_path"),
+        }
+        for name in needed.get(self.ssl_mode, ()):
+            path = getattr(self, name)
+            if path is None or not Path(path).is_file():
+                env = type(self).model_fields[name].validation_alias.choices[0]  # type: ignore[union-attr]
+                raise ValueError(
+                    f"NIM_SSL_MODE={self.ssl_mode} needs {env} to name a readable file, got {path}"
+                )
+        return self
+
+    @field_validator("log_level", "ssl_mode", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
@@ -265,9 +296,18 @@ def load_settings(**overrides: object) -> Settings:
 def _describe(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else "?"
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if not err["loc"]:  # a cross-field check: its message names the variables (never echo input)
+            lines.append(message)
+            continue
+        field = str(err["loc"][0])
         info = Settings.model_fields.get(field)
         alias = info.validation_alias if info else None
         name = alias.choices[0] if isinstance(alias, AliasChoices) else field
-        lines.append(f"invalid {name}={err.get('input')!r}: {err['msg']}")
+        shown = (
+            "<hidden>"
+            if info is not None and info.annotation in (SecretStr, SecretStr | None)
+            else repr(err.get("input"))
+        )
+        lines.append(f"invalid {name}={shown}: {message}")
     return "; ".join(lines)

@@ -11,6 +11,10 @@ from typing import Any
 
 # The id of the HTTP request being served (set by the API middleware), stamped on every log record.
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+# W3C trace context the caller sent (traceparent, tracestate), carried into the same records.
+trace_var: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar(
+    "trace", default=None
+)
 
 
 class RequestIdFilter(logging.Filter):
@@ -18,6 +22,12 @@ class RequestIdFilter(logging.Filter):
         request_id = request_id_var.get()
         if request_id is not None and not hasattr(record, "request_id"):
             record.request_id = request_id
+        trace = trace_var.get()
+        if trace is not None and not hasattr(record, "traceparent"):
+            record.traceparent = trace[0]
+            record.trace_id = trace[0].split("-")[1]
+            if trace[1]:
+                record.tracestate = trace[1]
         return True
 
 

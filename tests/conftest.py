@@ -80,13 +80,16 @@ def start_server(
     return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
 
 
-def wait_ready(server: ServerProcess, timeout: float = READY_TIMEOUT_S) -> None:
+def wait_ready(
+    server: ServerProcess, timeout: float = READY_TIMEOUT_S, client: httpx.Client | None = None
+) -> None:
     deadline = time.monotonic() + timeout
+    get = client.get if client is not None else httpx.get
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.base_url}/v1/health/ready", timeout=2).status_code == 200:
+            if get(f"{server.base_url}/v1/health/ready", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

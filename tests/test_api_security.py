@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +137,27 @@ def test_tokenize_and_detokenize(secured: ServerProcess, embedded_tokenizer) -> 
     bad = post(secured, "/detokenize", {"model": EMBEDDED_NAME, "tokens": [10**9]}, "env-key-1")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert post(secured, "/tokenize", {"model": EMBEDDED_NAME, "prompt": "x"}).status_code == 401
+
+
+def test_json_logs_carry_request_id_trace_context_and_timings(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "log", env={"NIM_JSONL_LOGGING": "1"})
+    try:
+        wait_ready(server)
+        traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        secret = "the prompt must never reach the logs"
+        body = {"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": secret}], "max_tokens": 2}
+        headers = {"x-request-id": "trace-me-1", "traceparent": traceparent, "tracestate": "vendor=abc"}
+        assert (
+            httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers).status_code
+            == 200
+        )
+    finally:
+        server.stop()
+    records = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    access = [r for r in records if r["logger"] == "service.access" and r.get("request_id") == "trace-me-1"]
+    assert len(access) == 1
+    entry = access[0]
+    assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions" and entry["duration_ms"] > 0
+    assert entry["traceparent"] == traceparent and entry["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert entry["tracestate"] == "vendor=abc"
+    assert secret not in server.log()

@@ -4,17 +4,21 @@ API-key authentication. Health, metrics, version and the API docs stay open and 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_body
 from service.api.security import APIKeyStore
-from service.logging import request_id_var
+from service.logging import request_id_var, trace_var
 
 OPEN_PATHS = ("/v1/health/", "/v1/metrics", "/v1/version", "/docs", "/openapi.json", "/redoc")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
+access_log = logging.getLogger("service.access")
 
 
 def current_request_id() -> str | None:
@@ -33,10 +37,20 @@ class RequestContextMiddleware:
         incoming = headers.get("x-request-id", "")
         request_id = incoming if _SAFE_ID.match(incoming) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
+        traceparent = headers.get("traceparent", "").strip().lower()
+        trace_token = trace_var.set(
+            (traceparent, headers.get("tracestate", "")[:512] or None)
+            if _TRACEPARENT.match(traceparent)
+            else None
+        )
         echo = (b"x-request-id", request_id.encode())
+        started = time.monotonic()
+        status = 0
 
         async def send_with_id(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 message["headers"] = [*message.get("headers", []), echo]
             await send(message)
 
@@ -50,6 +64,18 @@ class RequestContextMiddleware:
                 return
             await self.app(scope, receive, send_with_id)
         finally:
+            # One line per request: what, outcome, time. Never bodies (prompts stay out of logs).
+            elapsed_ms = round((time.monotonic() - started) * 1000, 1)
+            fields = {
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "duration_ms": elapsed_ms,
+            }
+            access_log.info(
+                "%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed_ms, extra=fields
+            )
+            trace_var.reset(trace_token)
             request_id_var.reset(token)
 
     def _authorized(self, headers: dict[str, str]) -> bool:
