@@ -216,3 +216,24 @@ def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, ca
     assert agree / total >= MIN_AGREEMENT[cache_dtype], (agree, total)
     for i in range(len(prompts)):
         assert first[f"f{i}"].token_ids == generated[f"g{i}"].token_ids[:1], i
+
+
+def test_engine_failure_fails_requests_readiness_and_reports() -> None:
+    """A step that raises ends the loop: in-flight requests get an error, readiness turns false, and
+    on_fatal fires (serve turns that into a non-zero exit so the orchestrator restarts the pod)."""
+    dying = make_engine(kv_cache_max_tokens=4096)
+    reported: list[BaseException] = []
+    dying.on_fatal = reported.append
+
+    def broken(chunks):
+        raise RuntimeError("simulated device fault")
+
+    dying.runner.execute = broken  # type: ignore[method-assign]
+    try:
+        result = run_all(dying, [request("doomed", prompt_of(dying, 5, 1))])["doomed"]
+        assert result.finish_reason == "abort"
+        assert "simulated device fault" in (result.outputs[-1].error or "")
+        assert not dying.ready
+        assert len(reported) == 1 and "simulated device fault" in str(reported[0])
+    finally:
+        asyncio.run(dying.stop())

@@ -15,16 +15,18 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import hypothesis
 import hypothesis.strategies as st
 import pytest
 import schemathesis
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
 
 MAX_COMPLETION_TOKENS = 8
-SEED = 20240611
+MAX_EXAMPLES = 40
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
@@ -83,23 +85,10 @@ def flatmap_body(context: schemathesis.HookContext, body: Any) -> st.SearchStrat
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server: ServerProcess) -> schemathesis.BaseSchema:
-    config = schemathesis.Config.from_dict(
-        {
-            "seed": SEED,
-            "generation": {
-                "mode": "all",
-                "max-examples": 40,
-                "deterministic": True,
-                "database": "none",
-            },
-            "phases": {"coverage": {"enabled": False}, "stateful": {"enabled": False}},
-            "max-stream-events": 200,
-            "request-timeout": 30,
-        }
-    )
+    config = schemathesis.Config.from_dict({"max-stream-events": 200, "request-timeout": 30})
     schema = schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json", config=config)
     schema.hook(flatmap_body)
-    return schema.include(func=lambda ctx: (ctx.operation.method.upper(), ctx.operation.path) in OPERATIONS)
+    return schema
 
 
 def sse_well_formed(ctx: Any, response: Any, case: schemathesis.Case) -> bool | None:
@@ -120,9 +109,22 @@ def sse_well_formed(ctx: Any, response: Any, case: schemathesis.Case) -> bool | 
     return True
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_api_conforms_to_its_schema(api_schema: schemathesis.BaseSchema, method: str, path: str) -> None:
+    operation = api_schema[path][method]
+    cases = operation.as_strategy(GenerationMode.POSITIVE) | operation.as_strategy(GenerationMode.NEGATIVE)
+    max_examples = MAX_EXAMPLES if path in GENERATION_PATHS or method == "POST" else 10
 
+    @hypothesis.settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+    )
+    @hypothesis.given(case=cases)
+    def run(case: schemathesis.Case) -> None:
+        case.call_and_validate(checks=[not_a_server_error, response_schema_conformance, sse_well_formed])
 
-@schema.parametrize()
-def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
-    case.call_and_validate(checks=[not_a_server_error, response_schema_conformance, sse_well_formed])
+    run()
