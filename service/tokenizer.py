@@ -27,7 +27,11 @@ import tokenizers
 from service.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from service.gguf_vocab import added_tokens, bos_eos_processor, build_backend, byte_alphabet, default_add_bos
 
-__all__ = ["NO_CHAT_TEMPLATE", "ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["NO_CHAT_TEMPLATE", "ChatTemplateError", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer"]
+
+
+class InvalidTextError(ValueError):
+    """Text that cannot be tokenized (e.g. lone surrogates from a JSON \\ud800 escape)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +267,12 @@ class Tokenizer:
         With add_special_tokens, BOS/EOS are added as the model's tokenizer says to (SmolLM2: none).
         Rendered chat templates already contain them: encode those with add_special_tokens=False.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the Rust side rejects strings UTF-8 cannot hold (lone surrogates)
+            raise InvalidTextError(
+                "text is not valid Unicode (it contains a lone UTF-16 surrogate)"
+            ) from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid UTF-8 (a model may emit any byte sequence) becomes U+FFFD."""

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.tokenizer import InvalidTextError
+
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +53,14 @@ def service_unavailable(message: str, retry_after_s: int = 5) -> APIError:
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": type, "param": _printable(param), "code": code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """Echoed client text may hold lone surrogates, which UTF-8 cannot encode: escape them."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -83,6 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(InvalidTextError)
+    async def _invalid_text(request: Request, exc: InvalidTextError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), 400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -50,7 +50,7 @@ class NVExt(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
 
@@ -73,7 +73,7 @@ class SamplingFields(_Request):
     # vLLM extensions
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False

@@ -55,7 +55,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, temperature scaling only overflows; the distribution is the argmax anyway.
+        return self.temperature < 1e-5
 
 
 @dataclass(frozen=True)

@@ -187,10 +187,10 @@ class TorchEngine:
                     self._step()
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step loop failed")
-            self._fatal = exc
-            self._fail_all(f"engine failure: {exc.__class__.__name__}: {exc}")
+            self._fatal = exc  # readiness turns false first
             if self.on_fatal is not None:
                 self.on_fatal(exc)
+            self._fail_all(f"engine failure: {exc.__class__.__name__}: {exc}")
             return
         self._fail_all("server shutting down")
 
@@ -210,7 +210,18 @@ class TorchEngine:
         if item is None:
             self._stopping = True
         elif isinstance(item, _Submit):
-            self._admit(item)
+            try:
+                self._admit(item)
+            except Exception as exc:  # a bad request must fail alone, never the step loop
+                log.warning("request %s refused at admission: %s", item.request.request_id, exc)
+                self._live.pop(item.request.request_id, None)
+                gen = item.request
+                message = f"request could not be admitted: {exc}"
+                item.sink(
+                    RequestOutput(
+                        gen.request_id, "", [], len(gen.prompt_token_ids), 0, True, "abort", message
+                    )
+                )
         else:
             request = self.scheduler.abort(item.request_id)
             live = self._live.pop(item.request_id, None)

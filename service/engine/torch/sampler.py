@@ -39,7 +39,7 @@ class SampledToken:
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     if params.seed is not None:
-        generator.manual_seed(params.seed)
+        generator.manual_seed(params.seed % 2**64)  # any integer seed; torch takes [0, 2**64)
     else:
         generator.seed()  # fresh non-deterministic seed
     return generator
@@ -53,7 +53,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     for i, row in enumerate(rows):
         if not row.params.greedy:
             probs = filtered_probs(logits[i], row.params)
-            chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+            if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+                chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+            # else: extreme parameters left no valid distribution; the argmax stands (never crash the step)
     ids = chosen.tolist()
     return [
         SampledToken(token_id, _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs))
@@ -150,4 +152,5 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         values, ids = torch.sort(probs, descending=True, stable=True)
     mass_before = torch.cumsum(values, dim=0) - values
     keep = mass_before < top_p
+    keep[0] = True  # the most likely token always stays, however small top_p is
     return torch.zeros_like(probs).index_put_((ids[keep],), values[keep])
