@@ -156,3 +156,13 @@ def test_invalid_configuration_names_the_variable(tmp_path: Path) -> None:
     server = start_server(tmp_path / "log", env={"NIM_MAX_NUM_SEQS": "lots"})
     assert server.process.wait(60) == 2
     assert "NIM_MAX_NUM_SEQS" in server.log()
+
+
+def test_openapi_documents_the_real_error_shapes(base_url: str) -> None:
+    schema = httpx.get(f"{base_url}/openapi.json").json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in chat  # validation errors are 400s in OpenAI's shape
+    assert {"400", "401", "404", "429", "503", "504"} <= set(chat)
+    assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "text/plain" in schema["paths"]["/v1/metrics"]["get"]["responses"]["200"]["content"]
+    assert "/tokenize" in schema["paths"] and "/detokenize" in schema["paths"]

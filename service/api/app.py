@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
@@ -58,6 +59,7 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     )
     app.state.service = state
     install_error_handlers(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(openai_routes.router)
     app.include_router(openai_routes.tokens_router)
     app.include_router(system_routes.router)
@@ -120,6 +122,22 @@ async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
         state.phase = "ready"
         log.info("serving %s as %r with profile %s (%s)", info.source, info.served_name, info.profile_name,
                  info.profile_id)  # fmt: skip
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body; this API answers validation errors with 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class HTTPMetricsMiddleware:

@@ -51,7 +51,7 @@ from service.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500, 503)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)

@@ -31,7 +31,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), 503, headers=err.headers)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE)
 
