@@ -113,7 +113,11 @@ def serve(settings: Settings) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal)
+    try:
+        app = create_app(settings, on_fatal=on_fatal)
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return 2
     state = app.state.service
     config = uvicorn.Config(
         app,

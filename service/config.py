@@ -229,6 +229,31 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
+    enable_otel: bool | None = Field(
+        None,
+        validation_alias=_env("NIM_ENABLE_OTEL"),
+        description="Export a span per API request over OpenTelemetry; unset = on when "
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set, 1 = required (start fails without the SDK), 0 = off.",
+    )
+    otel_exporter_otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=_env("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/HTTP collector base URL (traces go to <url>/v1/traces), e.g. http://otel:4318.",
+    )
+    otel_exporter_otlp_traces_endpoint: str | None = Field(
+        None,
+        validation_alias=_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        description="Full OTLP/HTTP traces URL; wins over OTEL_EXPORTER_OTLP_ENDPOINT.",
+    )
+    otel_traces_exporter: Literal["otlp", "console", "none"] = Field(
+        "otlp",
+        validation_alias=_env("OTEL_TRACES_EXPORTER"),
+        description="Where spans go: otlp (the collector), console (the log), none (off).",
+    )
+    otel_service_name: str = Field(
+        "nim-torch", validation_alias=_env("OTEL_SERVICE_NAME"), description="service.name on spans."
+    )
+
     @model_validator(mode="after")
     def _ssl_files(self) -> Settings:
         needed = {
@@ -244,15 +269,34 @@ class Settings(BaseSettings):
                 )
         return self
 
+    @field_validator("otel_traces_exporter", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
+
     @field_validator("log_level", "ssl_mode", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("model_name", "served_model_name", "model_profile", mode="before")
+    @field_validator(
+        "model_name",
+        "served_model_name",
+        "model_profile",
+        "otel_exporter_otlp_endpoint",
+        "otel_exporter_otlp_traces_endpoint",
+        mode="before",
+    )
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def otlp_traces_endpoint(self) -> str:
+        if self.otel_exporter_otlp_traces_endpoint:
+            return self.otel_exporter_otlp_traces_endpoint
+        base = self.otel_exporter_otlp_endpoint or "http://localhost:4318"
+        return base.rstrip("/") + "/v1/traces"
 
     @property
     def pending_limit(self) -> int:

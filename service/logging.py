@@ -7,14 +7,24 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 # The id of the HTTP request being served (set by the API middleware), stamped on every log record.
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-# W3C trace context the caller sent (traceparent, tracestate), carried into the same records.
-trace_var: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar(
-    "trace", default=None
-)
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """What ties a request's log records to a distributed trace."""
+
+    trace_id: str
+    traceparent: str | None = None  # as the caller sent it
+    tracestate: str | None = None
+    span_id: str | None = None  # this process's span for the request, when traces are exported
+
+
+trace_var: contextvars.ContextVar[TraceContext | None] = contextvars.ContextVar("trace", default=None)
 
 
 class RequestIdFilter(logging.Filter):
@@ -23,11 +33,11 @@ class RequestIdFilter(logging.Filter):
         if request_id is not None and not hasattr(record, "request_id"):
             record.request_id = request_id
         trace = trace_var.get()
-        if trace is not None and not hasattr(record, "traceparent"):
-            record.traceparent = trace[0]
-            record.trace_id = trace[0].split("-")[1]
-            if trace[1]:
-                record.tracestate = trace[1]
+        if trace is not None and not hasattr(record, "trace_id"):
+            record.trace_id = trace.trace_id
+            for name in ("traceparent", "tracestate", "span_id"):
+                if getattr(trace, name) is not None:
+                    setattr(record, name, getattr(trace, name))
         return True
 
 

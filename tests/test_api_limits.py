@@ -57,6 +57,37 @@ def test_oversized_body_is_413(limited: ServerProcess) -> None:
     assert response.json()["error"]["code"] == "request_too_large"
 
 
+def _chunked(payload: bytes, size: int = 1000) -> Iterator[bytes]:
+    """A body without Content-Length: httpx sends an iterator with Transfer-Encoding: chunked."""
+    for i in range(0, len(payload), size):
+        yield payload[i : i + size]
+
+
+def test_oversized_chunked_body_is_413(limited: ServerProcess) -> None:
+    body = json.dumps({"model": EMBEDDED_NAME, "prompt": "x" * 10_000, "max_tokens": 1}).encode()
+    response = httpx.post(
+        f"{limited.base_url}/v1/completions",
+        content=_chunked(body),
+        headers={"content-type": "application/json"},
+    )
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_chunked_body_within_the_limit_is_served(limited: ServerProcess) -> None:
+    body = json.dumps({"model": EMBEDDED_NAME, "prompt": "Hello there", "max_tokens": 2}).encode()
+    response = httpx.post(
+        f"{limited.base_url}/v1/completions",
+        content=_chunked(body, size=7),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
 def test_prompt_and_completion_caps(limited: ServerProcess) -> None:
     url = f"{limited.base_url}/v1/completions"
     long_prompt = httpx.post(url, json={"model": EMBEDDED_NAME, "prompt": "word " * 300, "max_tokens": 1})

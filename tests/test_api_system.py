@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -166,3 +167,37 @@ def test_openapi_documents_the_real_error_shapes(base_url: str) -> None:
     assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "text/plain" in schema["paths"]["/v1/metrics"]["get"]["responses"]["200"]["content"]
     assert "/tokenize" in schema["paths"] and "/detokenize" in schema["paths"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "chunk"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "ChatCompletionChunk"),
+        ("/v1/completions", {"prompt": "Once upon"}, "CompletionResponse"),
+    ],
+)
+def test_openapi_describes_the_event_stream_it_sends(
+    base_url: str, path: str, body: dict, chunk: str
+) -> None:
+    """Each event of a real stream matches the documented event schema and its JSON payload."""
+    import jsonschema_rs
+
+    schema = httpx.get(f"{base_url}/openapi.json").json()
+    ok = schema["paths"][path]["post"]["responses"]["200"]["content"]
+    assert set(ok) == {"application/json", "text/event-stream"}
+    event_schema = ok["text/event-stream"]["schema"]
+    data_schema = event_schema["properties"]["data"]["anyOf"][1]["contentSchema"]
+    assert {"$ref": f"#/components/schemas/{chunk}"} in data_schema["oneOf"]
+    root = {"components": schema["components"]}
+    event_validator = jsonschema_rs.validator_for({**event_schema, **root})
+    chunk_validator = jsonschema_rs.validator_for({"$ref": f"#/components/schemas/{chunk}", **root})
+    request = {"model": "smollm2-135m-instruct", "max_tokens": 4, "stream": True, **body}
+    request["stream_options"] = {"include_usage": True}
+    response = httpx.post(f"{base_url}{path}", json=request, timeout=60)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    for data in events:
+        event_validator.validate({"event": "message", "data": data})
+    for data in events[:-1]:
+        chunk_validator.validate(json.loads(data))

@@ -3,7 +3,7 @@
 Each operation gets positive (schema-valid) and negative (schema-violating) requests. Every
 answer must be non-5xx and match the schema documented for its status: the success models,
 and ErrorResponse for 400/404/413/429/500/503. Streaming answers (stream=true) are
-text/event-stream, which the schema does not describe; a custom check holds them to the SSE
+text/event-stream, whose events the schema describes; a custom check also holds them to the SSE
 framing OpenAI clients parse. The server must also stay up and log no ERROR or traceback.
 
 Bodies that name a model mostly name an unknown one (a 404 before any generation), so a

@@ -16,18 +16,21 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
 from service.api import openai_routes, system_routes
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from service.api.schemas import ChatCompletionChunk, CompletionResponse
 from service.api.security import APIKeyStore
 from service.api.state import ModelInfo, Ready, ServiceState
 from service.config import Settings
 from service.engine.torch.loading import PRECISION_NAMES, load_torch_engine
 from service.metrics import Metrics
 from service.planning import make_plan, model_source, served_name, settings_for_profile
+from service.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ FatalHandler = Callable[[str], None]
 
 def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> FastAPI:
     name = served_name(settings)
+    tracing = configure_tracing(settings)
     state = ServiceState(settings=settings, metrics=Metrics(name), served_name=name)
 
     @contextlib.asynccontextmanager
@@ -50,6 +54,8 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
                 await bring_up
             if state.model is not None:
                 await state.model.engine.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # flush the spans still buffered
 
     app = FastAPI(
         title="nim-torch",
@@ -65,7 +71,11 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     app.include_router(system_routes.router)
     # Added innermost first: CORS answers preflights before authentication is asked for.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(RequestContextMiddleware, keys=APIKeyStore(settings.api_keys, settings.api_keys_file))
+    app.add_middleware(
+        RequestContextMiddleware,
+        keys=APIKeyStore(settings.api_keys, settings.api_keys_file),
+        tracing=tracing,
+    )
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
     origins = settings.split(settings.cors_allow_origins)
     if origins:
@@ -136,8 +146,51 @@ def _openapi(app: FastAPI) -> dict:
         components = schema.get("components", {}).get("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
             components.pop(unused, None)
+        for path, chunk in STREAMED.items():
+            ok = schema["paths"][path]["post"]["responses"]["200"]
+            ok["content"]["text/event-stream"] = {"schema": _sse_event_schema(chunk, components)}
+            ok["description"] = "The response; with `stream: true`, server-sent events."
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+# Operations that answer with server-sent events when the request sets `stream: true`.
+STREAMED: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionChunk,
+    "/v1/completions": CompletionResponse,
+}
+
+
+def _sse_event_schema(chunk: type[BaseModel], components: dict) -> dict:
+    """One event of a stream (OpenAPI 3.1 reads a text/event-stream schema as one event's)."""
+    chunk_schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+    for name, definition in chunk_schema.pop("$defs", {}).items():
+        components.setdefault(name, definition)
+    components.setdefault(chunk.__name__, chunk_schema)
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string", "enum": ["message"]},
+            "data": {
+                "description": f"A {chunk.__name__} as JSON; an ErrorResponse as JSON if the stream "
+                "fails after it started; the literal `[DONE]` as the last event.",
+                "anyOf": [
+                    {"type": "string", "const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "oneOf": [
+                                {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                {"$ref": "#/components/schemas/ErrorResponse"},
+                            ]
+                        },
+                    },
+                ],
+            },
+        },
+    }
 
 
 class HTTPMetricsMiddleware:

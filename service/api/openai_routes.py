@@ -44,10 +44,12 @@ from service.api.schemas import (
     ResponseMessage,
     TokenizeRequest,
     TokenizeResponse,
+    Usage,
 )
 from service.api.state import Ready, ServiceState
 from service.engine.protocol import GenerationRequest
 from service.tokenizer import ChatTemplateError
+from service.tracing import annotate
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param, state.settings)
 
     request_id = new_id("chatcmpl")
+    _trace_request("chat", body, request_id, budget)
     logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs
@@ -135,12 +138,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for i, r in enumerate(results)
     ]
     completion_tokens = sum(r.num_generated_tokens for r in results)
-    return ChatCompletionResponse(
-        id=request_id,
-        model=body.model,
-        choices=choices,
-        usage=usage([len(prompt)], completion_tokens, results[0].num_cached_tokens),
-    )
+    totals = usage([len(prompt)], completion_tokens, results[0].num_cached_tokens)
+    _trace_result(totals, [r.finish_reason for r in results])
+    return ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=totals)
 
 
 async def _chat_stream(
@@ -163,6 +163,7 @@ async def _chat_stream(
     for i in range(len(requests)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     completion_tokens = [0] * len(requests)
+    finish_reasons: list[str | None] = [None] * len(requests)
     cached = 0
     async for index, out in merged(ready.engine, requests):
         if out.error is not None or out.finish_reason == "abort":
@@ -176,9 +177,12 @@ async def _chat_stream(
                 [ChatChunkChoice(index=index, delta=DeltaMessage(content=out.text), logprobs=logprobs)]
             )
         if out.finished:
+            finish_reasons[index] = out.finish_reason
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=out.finish_reason)])
+    totals = usage([num_prompt], sum(completion_tokens), cached)
+    _trace_result(totals, finish_reasons)
     if include_usage:
-        yield chunk([], usage([num_prompt], sum(completion_tokens), cached))
+        yield chunk([], totals)
     yield "data: [DONE]\n\n"
 
 
@@ -207,6 +211,7 @@ async def completions(body: CompletionRequest, request: Request):
     echoes = [ready.tokenizer.decode(p, skip_special_tokens=False) if body.echo else "" for p in prompts]
 
     request_id = new_id("cmpl")
+    _trace_request("text_completion", body, request_id, budgets[0])
     logprobs = LogprobRequest(
         sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
     )
@@ -242,12 +247,9 @@ async def completions(body: CompletionRequest, request: Request):
         )
     completion_tokens = sum(r.num_generated_tokens for r in results)
     cached = sum(r.num_cached_tokens for i, r in enumerate(results) if i % body.n == 0)
-    return CompletionResponse(
-        id=request_id,
-        model=body.model,
-        choices=choices,
-        usage=usage([len(p) for p in prompts], completion_tokens, cached),
-    )
+    totals = usage([len(p) for p in prompts], completion_tokens, cached)
+    _trace_result(totals, [r.finish_reason for r in results])
+    return CompletionResponse(id=request_id, model=body.model, choices=choices, usage=totals)
 
 
 def _completion_prompts(body: CompletionRequest, ready: Ready) -> list[list[int]]:
@@ -290,6 +292,7 @@ async def _completion_stream(
     completion_tokens = [0] * len(requests)
     cached = [0] * len(requests)
     echoed = [not body.echo] * len(requests)
+    finish_reasons: list[str | None] = [None] * len(requests)
     async for index, out in merged(ready.engine, requests):
         if out.error is not None or out.finish_reason == "abort":
             yield _sse_error(engine_error(out))
@@ -303,14 +306,49 @@ async def _completion_stream(
             ids, entries = [*prompt, *ids], [*(out.prompt_logprobs or [None] * len(prompt)), *entries]
             echoed[index] = True
         logprobs = completion_logprobs(ready.tokenizer, ids, entries) if body.logprobs is not None else None
+        if out.finished:
+            finish_reasons[index] = out.finish_reason
         if text or out.finished or logprobs:
             yield chunk(
                 [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=logprobs)]
             )
+    cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
+    totals = usage([len(p) for p in prompts], sum(completion_tokens), cached_total)
+    _trace_result(totals, finish_reasons)
     if include_usage:
-        cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
-        yield chunk([], usage([len(p) for p in prompts], sum(completion_tokens), cached_total))
+        yield chunk([], totals)
     yield "data: [DONE]\n\n"
+
+
+# --- Tracing (GenAI semantic conventions; nothing happens when tracing is off) -------------------
+
+
+def _trace_request(operation: str, body: ChatCompletionRequest | CompletionRequest, response_id: str,
+                   max_tokens: int) -> None:  # fmt: skip
+    annotate(
+        {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "nim-torch",
+            "gen_ai.request.model": body.model,
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": body.temperature,
+            "gen_ai.request.top_p": body.top_p,
+            "gen_ai.request.seed": body.seed,
+            "gen_ai.request.choice.count": body.n if body.n != 1 else None,
+            "gen_ai.response.id": response_id,
+            "gen_ai.response.model": body.model,
+        }
+    )
+
+
+def _trace_result(totals: Usage, finish_reasons: list[str | None]) -> None:
+    annotate(
+        {
+            "gen_ai.usage.input_tokens": totals.prompt_tokens,
+            "gen_ai.usage.output_tokens": totals.completion_tokens,
+            "gen_ai.response.finish_reasons": [r or "" for r in finish_reasons],
+        }
+    )
 
 
 # --- Server-sent events --------------------------------------------------------------------------
