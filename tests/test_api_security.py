@@ -80,7 +80,14 @@ def test_keys_file_is_reloaded_without_restart(secured: ServerProcess, keys_file
 
 
 def test_health_and_metrics_stay_open(secured: ServerProcess) -> None:
-    for path in ("/v1/health/live", "/v1/health/ready", "/v1/metrics", "/v1/version", "/openapi.json"):
+    for path in (
+        "/v1/health/live",
+        "/v1/health/ready",
+        "/v1/metrics",
+        "/metrics",
+        "/v1/version",
+        "/openapi.json",
+    ):
         assert httpx.get(f"{secured.base_url}{path}").status_code == 200, path
 
 

@@ -44,6 +44,10 @@ def test_metrics_count_requests_and_tokens(base_url: str) -> None:
         return values
 
     before = scrape()
+    # Prometheus' default path (what the Gateway API Inference Extension scrapes) serves the same.
+    root = httpx.get(f"{base_url}/metrics")
+    assert root.status_code == 200 and root.headers["content-type"].startswith("text/plain")
+    assert "vllm:num_requests_waiting{" in root.text
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     out = client.completions.create(
         model=EMBEDDED_NAME, prompt="Once upon a time", max_tokens=5, temperature=0

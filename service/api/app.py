@@ -69,6 +69,7 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     app.include_router(openai_routes.router)
     app.include_router(openai_routes.tokens_router)
     app.include_router(system_routes.router)
+    app.include_router(system_routes.root_router)
     # Added innermost first: CORS answers preflights before authentication is asked for.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(

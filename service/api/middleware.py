@@ -18,8 +18,13 @@ from service.api.security import APIKeyStore
 from service.logging import TraceContext, request_id_var, trace_var
 from service.tracing import RequestTracing, span_ids
 
-OPEN_PATHS = ("/v1/health/", "/v1/metrics", "/v1/version", "/docs", "/openapi.json", "/redoc")
-UNTRACED_PATHS = ("/v1/health/", "/v1/metrics")  # probes and scrapes would drown the traces
+OPEN_PATHS = frozenset(("/v1/metrics", "/metrics", "/v1/version", "/openapi.json", "/redoc"))
+OPEN_PREFIXES = ("/v1/health/", "/docs")
+UNTRACED_PATHS = (
+    "/v1/health/",
+    "/v1/metrics",
+    "/metrics",
+)  # prefixes  # probes and scrapes would drown the traces
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
 access_log = logging.getLogger("service.access")
@@ -27,6 +32,11 @@ access_log = logging.getLogger("service.access")
 
 def current_request_id() -> str | None:
     return request_id_var.get()
+
+
+def _open(path: str) -> bool:
+    """Health, metrics, version and the API docs need no key (probes and scrapers carry none)."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 def _trace_context(caller: dict[str, str], span: Any) -> TraceContext | None:
@@ -70,11 +80,7 @@ class RequestContextMiddleware:
         with self._span(scope, caller) as span:
             trace_token = trace_var.set(_trace_context(caller, span))
             try:
-                if (
-                    self.keys.enabled
-                    and not scope["path"].startswith(OPEN_PATHS)
-                    and not self._authorized(headers)
-                ):
+                if self.keys.enabled and not _open(scope["path"]) and not self._authorized(headers):
                     await _unauthorized(send_with_id)
                     return
                 await self.app(scope, receive, send_with_id)

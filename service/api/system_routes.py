@@ -13,6 +13,8 @@ from service.api.errors import error_body
 from service.metrics import CONTENT_TYPE
 
 router = APIRouter(prefix="/v1")
+# Prometheus' and the Gateway API Inference Extension's default scrape path, beside NIM's /v1/metrics.
+root_router = APIRouter()
 
 
 @router.get("/health/live")
@@ -31,6 +33,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), 503, headers=err.headers)
 
 
+@root_router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE)
