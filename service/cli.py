@@ -105,6 +105,11 @@ def serve(settings: Settings) -> int:
     from service.api.app import create_app
     from service.server import DrainingServer
 
+    if settings.peft_source is not None:
+        log.error(
+            "NIM_PEFT_SOURCE=%s: LoRA adapters are not supported by this version yet", settings.peft_source
+        )
+        return 2
     failure: list[str] = []
     server: DrainingServer | None = None
 

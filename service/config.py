@@ -229,6 +229,12 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
+    peft_source: Path | None = Field(
+        None,
+        validation_alias=_env("NIM_PEFT_SOURCE"),
+        description="LoRA adapter directory. Not supported yet: serving refuses to start rather than "
+        "silently serving without the adapters.",
+    )
     enable_otel: bool | None = Field(
         None,
         validation_alias=_env("NIM_ENABLE_OTEL"),

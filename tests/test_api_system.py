@@ -163,6 +163,12 @@ def test_invalid_configuration_names_the_variable(tmp_path: Path) -> None:
     assert "NIM_MAX_NUM_SEQS" in server.log()
 
 
+def test_lora_source_is_refused_rather_than_ignored(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "log", env={"NIM_PEFT_SOURCE": str(tmp_path)})
+    assert server.process.wait(60) == 2
+    assert "LoRA adapters are not supported" in server.log()
+
+
 def test_openapi_documents_the_real_error_shapes(base_url: str) -> None:
     schema = httpx.get(f"{base_url}/openapi.json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
