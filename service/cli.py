@@ -1,5 +1,5 @@
 """Command line, with NIM's command names: `serve` (the default), `list-model-profiles`,
-`download-to-cache`, `create-model-store`, and `detect`.
+`download-to-cache`, `create-model-store`, plus `detect` and `health`.
 
 Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
 `nim-torch` console script both land here.
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--profile", required=True, help="profile id or name")
     store.add_argument("--model-store", required=True, type=Path, help="directory to create")
     commands.add_parser("detect", help="print the detected system as JSON")
+    health = commands.add_parser("health", help="exit 0 if the server on this host is ready, else 1")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     return parser
 
 
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     from service import commands
 
     try:
+        if args.command == "health":
+            sys.exit(commands.health(settings, args.timeout))
         if args.command == "detect":
             commands.detect(settings)
         elif args.command == "list-model-profiles":

@@ -1,9 +1,12 @@
-"""The utility commands: detect, list-model-profiles, download-to-cache, create-model-store."""
+"""The utility commands: detect, list-model-profiles, download-to-cache, create-model-store, health."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from service.config import Settings
@@ -123,3 +126,30 @@ def create_model_store(settings: Settings, wanted: str, directory: Path) -> None
     }
     (directory / STORE_DESCRIPTOR).write_text(json.dumps(descriptor, indent=2) + "\n")
     print(f"created {directory} with {profile.name} ({profile.id}); serve it with NIM_MODEL_NAME={directory}")
+
+
+def health(settings: Settings, timeout: float) -> int:
+    """Ask the server on this host whether it is ready: 0 if so, else 1 (the image's HEALTHCHECK).
+
+    With TLS the certificate is not verified (this is the server checking on itself over loopback);
+    with mutual TLS the server's own certificate is presented, which works when it chains to the
+    CA the server trusts for clients."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    scheme = "http" if settings.ssl_mode == "DISABLED" else "https"
+    context = None
+    if scheme == "https":
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        if settings.ssl_mode == "MTLS":
+            context.load_cert_chain(str(settings.ssl_certs_path), str(settings.ssl_key_path))
+    bare = host.strip("[]")
+    url = f"{scheme}://{f'[{bare}]' if ':' in bare else bare}:{settings.port}/v1/health/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+            print(f"ready ({response.status})")
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"not ready ({exc.code}): {exc.read(512).decode(errors='replace')}")
+    except (OSError, ssl.SSLError) as exc:
+        print(f"not answering at {url}: {exc}")
+    return 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -27,7 +28,16 @@ import yaml
 
 from service.hardware import SystemInfo
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+def _profiles_dir() -> Path:
+    """profiles/ of a source checkout, else the copy a wheel install puts in <prefix>/share."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "profiles"
+    return Path(sysconfig.get_path("data")) / "share" / "nim-torch" / "profiles"
+
+
+PROFILES_DIR = _profiles_dir()
 
 Engine = Literal["tensorrt_llm", "torch"]
 Status = Literal["compatible", "low_memory", "incompatible"]
@@ -145,6 +155,8 @@ def load_manifest(path: Path) -> Manifest:
 
 
 def load_manifests(directory: Path = PROFILES_DIR) -> list[Manifest]:
+    if not directory.is_dir():
+        raise ProfileError(f"profile manifests not found at {directory}: the installation is incomplete")
     return [load_manifest(p) for p in sorted(directory.glob("*.yaml"))]
 
 

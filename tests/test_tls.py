@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, REPO, ServerProcess, start_server, wait_ready
 
 
 @dataclass
@@ -158,3 +161,22 @@ def test_tls_without_files_stops_start_up(tmp_path: Path) -> None:
     server = start_server(tmp_path / "log", env={"NIM_SSL_MODE": "TLS"})
     assert server.process.wait(60) == 2
     assert "NIM_SSL_KEY_PATH" in server.log()
+
+
+def test_health_command_checks_a_tls_server(tls_server: ServerProcess, pki: PKI) -> None:
+    """The image's HEALTHCHECK: `entrypoint.py health` speaks TLS when NIM_SSL_MODE asks for it."""
+    port = tls_server.base_url.rsplit(":", 1)[1]
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("NIM_")},
+        "NIM_SSL_MODE": "TLS",
+        "NIM_SSL_KEY_PATH": str(pki.server_key),
+        "NIM_SSL_CERTS_PATH": str(pki.server_cert),
+        "NIM_SERVER_PORT": port,
+    }
+    command = [sys.executable, str(REPO / "entrypoint.py"), "health"]
+    ready = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert ready.returncode == 0, ready.stdout + ready.stderr
+    assert "ready (200)" in ready.stdout
+    plain = subprocess.run(command, env={**env, "NIM_SSL_MODE": "DISABLED"}, capture_output=True, text=True)
+    assert plain.returncode == 1  # plain HTTP to a TLS port: not an answer
+    assert "not answering" in plain.stdout
