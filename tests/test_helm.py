@@ -1,0 +1,1123 @@
+"""The Helm chart in helm/, rendered and linted by real Helm (PyPI helm-python-sdk, Helm v4 as a library).
+
+Every rendered Kubernetes object is validated against the Kubernetes 1.30 and the newest schemas that
+kubernetes-validate ships (strict: unknown fields fail); custom resources get structural assertions. The
+`helm test` hook script runs against the real service and against a small HTTPS / mutual-TLS stub, as do
+the MTLS exec probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import ipaddress
+import json
+import os
+import re
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import helm_python as helm
+except Exception as exc:  # ImportError, or HelmLibraryError: no native library for this platform
+    pytest.skip(f"helm-python-sdk cannot load here ({exc}); the chart is untested", allow_module_level=True)
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed (test extra)"
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CHART_DIR = REPO / "helm"
+SMOKE_SCRIPT = CHART_DIR / "files" / "smoke_test.py"
+RELEASE, NAMESPACE = "demo", "llm"
+FULLNAME = "demo-nim-torch"
+K8S_VERSION = "1.30.0"
+WORKLOAD_KINDS = {"StatefulSet", "Deployment"}
+CUSTOM_KINDS = {
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "InferencePool": "inference.networking.k8s.io/v1",
+}
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
+PROM = "http://prometheus-operated.monitoring.svc:9090"
+
+Obj = dict[str, Any]
+
+SCENARIOS: dict[str, Obj] = {
+    "defaults": {},
+    "deployment-cpu": {
+        "workload": {"kind": "Deployment", "replicas": 2},
+        "image": {"flavor": "cpu"},
+        "resources": {"gpu": 0, "requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+        "tolerations": [],
+        "shm": {"sizeLimit": "1Gi"},
+    },
+    "existing-claim-statefulset": {"persistence": {"existingClaim": "model-cache"}},
+    "existing-claim-deployment": {
+        "workload": {"kind": "Deployment"},
+        "persistence": {"existingClaim": "model-cache"},
+    },
+    "no-persistence": {"persistence": {"enabled": False}},
+    "hpa": {"autoscaling": {"enabled": True, "maxReplicas": 3, "targetAverageValue": "4"}},
+    "hpa-full-metrics": {
+        "workload": {"kind": "Deployment"},
+        "autoscaling": {
+            "enabled": True,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": "gpu_cache_usage_perc"},
+                        "target": {"type": "AverageValue", "averageValue": "750m"},
+                    },
+                }
+            ],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+        },
+    },
+    "keda": {"keda": {"enabled": True, "prometheus": {"serverAddress": PROM}}},
+    "keda-kv-cache": {
+        "keda": {
+            "enabled": True,
+            "prometheus": {"serverAddress": PROM, "metric": "kvCache", "threshold": "0.8"},
+        }
+    },
+    "gateway": {
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "annotations": {"nginx.ingress.kubernetes.io/proxy-read-timeout": "3600"},
+            "tls": [{"hosts": ["nim.example.com"], "secretName": "nim-tls"}],
+        },
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"namespaceSelector": {"matchLabels": {"name": "gateway"}}}],
+        },
+        "pdb": {"enabled": True},
+        "metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {"release": "prometheus"}}},
+        "inferencePool": {"enabled": True, "endpointPicker": {"name": "demo-epp", "failureMode": "FailOpen"}},
+    },
+    "secrets": {
+        "model": {"hfTokenSecret": {"name": "hf-token"}, "servedName": "llama"},
+        "auth": {"apiKeySecret": {"name": "nim-api-keys"}},
+    },
+    "tls": {
+        "tls": {"mode": "TLS", "secretName": "nim-tls"},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "mtls": {"tls": {"mode": "MTLS", "secretName": "nim-tls", "clientSecretName": "nim-client"}},
+    "everything": {
+        "model": {
+            "name": "meta-llama/Llama-3.1-8B-Instruct",
+            "profile": "tensorrt_llm-h100-fp8-tp2-pp1-throughput",
+            "servedName": "llama-3.1-8b",
+            "maxModelLen": 8192,
+            "tensorParallelSize": 2,
+            "kvCachePercent": 0.85,
+            "enableKvCacheReuse": False,
+            "logLevel": "DEBUG",
+            "jsonLogging": False,
+            "loraSource": "/loras",
+            "hfHubOffline": True,
+        },
+        "resources": {"gpu": 2, "requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "128Gi"}},
+        "image": {"tag": "nightly", "digest": "sha256:" + "a" * 64, "pullPolicy": "Always"},
+        "imagePullSecrets": [{"name": "ghcr"}],
+        "command": ["python3", "/app/entrypoint.py"],
+        "args": ["serve", "--log-level", "debug"],
+        "env": [{"name": "NIM_MAX_NUM_SEQS", "value": "64"}, {"name": "NIM_LOG_LEVEL", "value": "TRACE"}],
+        "extraEnv": [{"name": "NIM_MAX_NUM_SEQS", "value": "128"}],
+        "envFrom": [{"configMapRef": {"name": "nim-extra"}}],
+        "extraVolumes": [{"name": "loras", "persistentVolumeClaim": {"claimName": "loras"}}],
+        "extraVolumeMounts": [{"name": "loras", "mountPath": "/loras", "readOnly": True}],
+        "initContainers": [{"name": "warm", "image": "busybox:1.36", "command": ["true"]}],
+        "podAnnotations": {"example.com/team": "llm"},
+        "podLabels": {"team": "llm", "app.kubernetes.io/name": "hijack"},
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE}},
+                        },
+                    }
+                ]
+            }
+        },
+        "priorityClassName": "inference",
+        "runtimeClassName": "nvidia",
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "serviceAccount": {"create": False, "name": "existing-sa"},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318"},
+        "persistence": {
+            "storageClass": "-",
+            "size": "200Gi",
+            "annotations": {"helm.sh/resource-policy": "keep"},
+        },
+        "tmp": {"sizeLimit": "20Gi"},
+        "workload": {"updateStrategy": {"type": "RollingUpdate"}, "annotations": {"example.com/owner": "ml"}},
+        "service": {"annotations": {"example.com/lb": "internal"}, "labels": {"tier": "inference"}},
+        "pdb": {"enabled": True, "minAvailable": "50%"},
+        "networkPolicy": {
+            "enabled": True,
+            "allowAllEgress": False,
+            "extraEgress": [{"ports": [{"port": 443}]}],
+        },
+        "inferencePool": {"enabled": True, "engineType": "vllm"},
+    },
+}
+
+
+# ---------------------------------------------------------------- rendering helpers
+
+
+@functools.cache
+def chart() -> helm.Chart:
+    return helm.Chart.load(CHART_DIR)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One `helm template` run: parsed objects, the raw text and NOTES.txt."""
+
+    objects: list[Obj]
+    text: str
+    notes: str
+
+    def of_kind(self, kind: str) -> list[Obj]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str) -> Obj:
+        found = self.of_kind(kind)
+        assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+        return found[0]
+
+    @property
+    def workload(self) -> Obj:
+        found = [o for o in self.objects if o["kind"] in WORKLOAD_KINDS]
+        assert len(found) == 1, [o["kind"] for o in found]
+        return found[0]
+
+    @property
+    def pod_spec(self) -> Obj:
+        return self.workload["spec"]["template"]["spec"]
+
+    @property
+    def server(self) -> Obj:
+        return self.pod_spec["containers"][0]
+
+    @property
+    def test_pods(self) -> list[Obj]:
+        return [o for o in self.of_kind("Pod") if o["metadata"].get("annotations", {}).get("helm.sh/hook")]
+
+
+def render(values: Obj) -> Rendered:
+    manifests = chart().render(values, name=RELEASE, namespace=NAMESPACE)
+    notes = next((text for path, text in manifests.items() if path.endswith("NOTES.txt")), "")
+    text = "\n---\n".join(t for p, t in sorted(manifests.items()) if not p.endswith("NOTES.txt"))
+    objects = [doc for doc in yaml.safe_load_all(text) if doc]
+    return Rendered(objects, text, notes)
+
+
+@functools.cache
+def scenario(name: str) -> Rendered:
+    return render(SCENARIOS[name])
+
+
+def env_of(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def env_value(container: Obj, name: str) -> str | None:
+    entry = env_of(container).get(name)
+    return None if entry is None else entry.get("value")
+
+
+def volumes_by_name(pod_spec: Obj) -> dict[str, Obj]:
+    return {v["name"]: v for v in pod_spec.get("volumes", [])}
+
+
+def mounts_by_path(container: Obj) -> dict[str, Obj]:
+    return {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+
+
+def render_error(values: Obj) -> str:
+    with pytest.raises(helm.HelmError) as caught:
+        render(values)
+    return str(caught.value)
+
+
+def walk(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every (path, leaf) of a parsed YAML tree; list indices become "[i]"."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from walk(value, (*path, str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from walk(value, (*path, f"[{i}]"))
+    else:
+        yield path, node
+
+
+def walk_env(obj: Obj) -> Iterator[tuple[str, Obj]]:
+    spec = obj.get("spec", {})
+    pod_spec = spec.get("template", {}).get("spec", spec)
+    for container in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
+        for entry in container.get("env", []):
+            yield container["name"], entry
+
+
+# ---------------------------------------------------------------- lint and schemas
+
+
+def test_helm_sdk_is_real_helm() -> None:
+    assert helm.helm_sdk_version().startswith("v"), helm.helm_sdk_version()
+
+
+@pytest.mark.parametrize("name", ["defaults", "deployment-cpu", "gateway", "keda", "mtls", "everything"])
+def test_lint_is_clean(name: str) -> None:
+    report = helm.lint(CHART_DIR, SCENARIOS[name], strict=True, kube_version=f"v{K8S_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
+    infos = {m["error"] for m in report["messages"]}
+    assert infos <= {"icon is recommended"}, infos
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_object_is_valid_kubernetes(name: str) -> None:
+    rendered = scenario(name)
+    assert rendered.objects
+    for obj in rendered.objects:
+        kind = obj["kind"]
+        if kind in CUSTOM_KINDS:
+            assert obj["apiVersion"] == CUSTOM_KINDS[kind]
+            continue
+        for version in (K8S_VERSION, kubernetes_validate.latest_version()):
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = f"{kind}/{obj['metadata']['name']} on Kubernetes {version}"
+                pytest.fail(f"{where}: {exc.message} at {list(exc.absolute_path)}")
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm", (kind, labels)
+        assert labels.get("helm.sh/chart") == "nim-torch-0.1.0", (kind, labels)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param({"resources": {"gpu": -1}}, ["/resources/gpu", "minimum"], id="negative-gpus"),
+        pytest.param({"replica": 2}, ["additional properties 'replica' not allowed"], id="top-level-typo"),
+        pytest.param(
+            {"model": {"nmae": "x"}}, ["/model", "additional properties 'nmae' not allowed"], id="nested-typo"
+        ),
+        pytest.param(
+            {"workload": {"kind": "DaemonSet"}},
+            ["/workload/kind", "'StatefulSet', 'Deployment'"],
+            id="kind-enum",
+        ),
+        pytest.param({"image": {"flavor": "tpu"}}, ["/image/flavor", "'gpu', 'cpu'"], id="flavor-enum"),
+        pytest.param({"tls": {"mode": "on"}}, ["/tls/mode", "'DISABLED', 'TLS', 'MTLS'"], id="tls-enum"),
+        pytest.param({"model": {"openaiPort": 70000}}, ["/model/openaiPort", "maximum"], id="port-range"),
+        pytest.param(
+            {"model": {"maxModelLen": "long"}}, ["/model/maxModelLen", "got string"], id="wrong-type"
+        ),
+        pytest.param(
+            {"inferencePool": {"endpointPicker": {"failureMode": "Open"}}},
+            ["/inferencePool/endpointPicker/failureMode", "'FailOpen', 'FailClose'"],
+            id="failure-mode-enum",
+        ),
+        pytest.param(
+            {"startupProbe": {"successThreshold": 2}},
+            ["/startupProbe/successThreshold", "maximum"],
+            id="probe",
+        ),
+        pytest.param(
+            {
+                "autoscaling": {"enabled": True},
+                "keda": {"enabled": True, "prometheus": {"serverAddress": PROM}},
+            },
+            ["autoscaling.enabled and keda.enabled are mutually exclusive"],
+            id="hpa-and-keda",
+        ),
+        pytest.param({"keda": {"enabled": True}}, ["keda.prometheus.serverAddress"], id="keda-no-prometheus"),
+        pytest.param(
+            {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+            ["autoscaling.minReplicas (5) must not exceed autoscaling.maxReplicas (2)"],
+            id="hpa-bounds",
+        ),
+        pytest.param({"tls": {"mode": "TLS"}}, ["tls.mode=TLS needs tls.secretName"], id="tls-no-secret"),
+        pytest.param(
+            {"terminationGracePeriodSeconds": 30},
+            ["terminationGracePeriodSeconds (30) must exceed model.shutdownGraceSeconds (30)"],
+            id="grace-too-short",
+        ),
+    ],
+)
+def test_bad_values_are_rejected_with_a_clear_message(values: Obj, expected: list[str]) -> None:
+    message = render_error(values)
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def _schema_paths(schema: Obj, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Obj]]:
+    yield path, schema
+    for key, sub in schema.get("properties", {}).items():
+        yield from _schema_paths(sub, (*path, key))
+
+
+def test_schema_types_every_value_and_rejects_unknown_keys() -> None:
+    schema = chart().schema
+    assert schema is not None
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    declared = dict(_schema_paths(schema))
+    defaults = chart().values
+
+    def check(node: Any, path: tuple[str, ...]) -> None:
+        assert path in declared, f"value {'.'.join(path)} is not in values.schema.json"
+        assert "type" in declared[path], f"{'.'.join(path)} has no type"
+        sub = declared[path]
+        if isinstance(node, dict) and sub.get("properties"):
+            for key, value in node.items():
+                check(value, (*path, key))
+
+    check(defaults, ())
+    for path, sub in declared.items():
+        parent: Any = defaults
+        for key in path:
+            if parent == {}:  # an override object that is empty by default (tests.image)
+                break
+            assert isinstance(parent, dict) and key in parent, (
+                f"schema key {'.'.join(path)} not in values.yaml"
+            )
+            parent = parent[key]
+        if sub.get("properties") and path not in {("podSecurityContext",), ("securityContext",)}:
+            assert sub.get("additionalProperties") is False, f"{'.'.join(path) or 'top level'} is open"
+
+
+# ---------------------------------------------------------------- workload
+
+
+def test_default_is_a_gpu_statefulset_with_a_cache_claim_per_replica() -> None:
+    rendered = scenario("defaults")
+    sts = rendered.one("StatefulSet")
+    assert sts["metadata"]["name"] == FULLNAME
+    assert sts["spec"]["replicas"] == 1
+    assert sts["spec"]["serviceName"] == rendered.one("Service")["metadata"]["name"]
+    assert rendered.server["image"] == "ghcr.io/nim-torch/nim-torch:0.1.0-gpu"
+    assert rendered.server.get("args") is None and rendered.server.get("command") is None
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "nim-cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert "nim-cache" not in volumes_by_name(rendered.pod_spec)
+    assert not rendered.of_kind("PersistentVolumeClaim")
+    assert rendered.pod_spec["terminationGracePeriodSeconds"] == 60
+    assert int(env_value(rendered.server, "NIM_SHUTDOWN_GRACE_SECONDS") or 0) < 60
+    assert rendered.pod_spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert not rendered.of_kind("HorizontalPodAutoscaler") and not rendered.of_kind("ScaledObject")
+
+
+def test_deployment_on_the_cpu_image_has_no_gpu() -> None:
+    rendered = scenario("deployment-cpu")
+    deploy = rendered.one("Deployment")
+    assert deploy["spec"]["progressDeadlineSeconds"] == 3600
+    assert deploy["spec"]["replicas"] == 2
+    assert rendered.server["image"] == "ghcr.io/nim-torch/nim-torch:0.1.0-cpu"
+    assert "nvidia.com/gpu" not in rendered.text
+    assert rendered.server["resources"] == {
+        "limits": {"memory": "8Gi"},
+        "requests": {"cpu": "2", "memory": "4Gi"},
+    }
+    assert "tolerations" not in rendered.pod_spec
+    claim = rendered.one("PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == f"{FULLNAME}-cache"
+    assert volumes_by_name(rendered.pod_spec)["nim-cache"]["persistentVolumeClaim"]["claimName"] == (
+        f"{FULLNAME}-cache"
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, 1),
+        ({"resources": {"gpu": 4}}, 4),
+        ({"image": {"flavor": "cpu"}}, 0),
+        ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, 2),  # nim-llm style values
+        ({"resources": {"gpu": 0, "limits": {"nvidia.com/gpu": 2}}}, 0),
+    ],
+)
+def test_gpu_count_goes_to_limits_and_requests(values: Obj, expected: int) -> None:
+    resources = render(values).server["resources"]
+    if expected:
+        assert resources["limits"]["nvidia.com/gpu"] == expected
+        assert resources["requests"]["nvidia.com/gpu"] == expected
+    else:
+        assert "nvidia.com/gpu" not in resources.get("limits", {})
+        assert "nvidia.com/gpu" not in resources.get("requests", {})
+
+
+def test_gpu_resource_name_can_be_a_mig_profile() -> None:
+    resources = render({"resources": {"gpuResourceName": "nvidia.com/mig-3g.40gb"}}).server["resources"]
+    assert resources == {"limits": {"nvidia.com/mig-3g.40gb": 1}, "requests": {"nvidia.com/mig-3g.40gb": 1}}
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOAD_KINDS))
+def test_existing_claim_is_mounted_for_both_kinds(kind: str) -> None:
+    rendered = scenario(f"existing-claim-{kind.lower()}")
+    assert rendered.workload["kind"] == kind
+    assert volumes_by_name(rendered.pod_spec)["nim-cache"] == {
+        "name": "nim-cache",
+        "persistentVolumeClaim": {"claimName": "model-cache"},
+    }
+    assert "volumeClaimTemplates" not in rendered.workload["spec"]
+    assert not rendered.of_kind("PersistentVolumeClaim")
+
+
+def test_without_persistence_the_cache_is_an_empty_dir() -> None:
+    rendered = scenario("no-persistence")
+    assert volumes_by_name(rendered.pod_spec)["nim-cache"] == {"name": "nim-cache", "emptyDir": {}}
+    assert "volumeClaimTemplates" not in rendered.workload["spec"]
+
+
+def test_storage_class_dash_disables_dynamic_provisioning() -> None:
+    (claim,) = scenario("everything").workload["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == ""
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert claim["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert "storageClassName" not in scenario("defaults").workload["spec"]["volumeClaimTemplates"][0]["spec"]
+
+
+@pytest.mark.parametrize("name", ["defaults", "deployment-cpu", "no-persistence", "tls", "everything"])
+def test_read_only_root_with_writable_tmp_cache_and_shm(name: str) -> None:
+    rendered = scenario(name)
+    server, pod = rendered.server, rendered.pod_spec
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts, volumes = mounts_by_path(server), volumes_by_name(pod)
+    claims = {c["metadata"]["name"] for c in rendered.workload["spec"].get("volumeClaimTemplates", [])}
+    for path in ("/tmp", "/opt/nim/.cache", "/dev/shm"):
+        mount = mounts[path]
+        assert not mount.get("readOnly"), path
+        volume = volumes.get(mount["name"], {})
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume or mount["name"] in claims, path
+    assert env_value(server, "NIM_CACHE_PATH") == "/opt/nim/.cache"
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    assert shm["sizeLimit"] == SCENARIOS[name].get("shm", {}).get("sizeLimit", "16Gi")
+
+
+def test_security_contexts() -> None:
+    rendered = scenario("defaults")
+    assert rendered.pod_spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    for pod_spec in [rendered.pod_spec, *(p["spec"] for p in rendered.test_pods)]:
+        for container in pod_spec["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"] == {"drop": ["ALL"]}
+        assert pod_spec["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec["automountServiceAccountToken"] is False
+
+
+def test_probes() -> None:
+    rendered = scenario("defaults")
+    server = rendered.server
+    (port,) = server["ports"]
+    assert port == {"name": "http-openai", "containerPort": 8000, "protocol": "TCP"}
+    expected = {
+        "livenessProbe": "/v1/health/live",
+        "readinessProbe": "/v1/health/ready",
+        "startupProbe": "/v1/health/ready",
+    }
+    for probe_name, path in expected.items():
+        probe = server[probe_name]
+        assert probe["httpGet"] == {"path": path, "port": "http-openai", "scheme": "HTTP"}, probe_name
+    readiness = server["readinessProbe"]
+    assert (readiness["initialDelaySeconds"], readiness["periodSeconds"], readiness["failureThreshold"]) == (
+        15,
+        10,
+        3,
+    )
+    startup = server["startupProbe"]
+    assert startup["failureThreshold"] == 180 and startup["periodSeconds"] == 10
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 1800
+
+
+def test_probes_are_configurable_and_can_be_disabled() -> None:
+    server = render({"startupProbe": {"failureThreshold": 360}, "livenessProbe": {"enabled": False}}).server
+    assert server["startupProbe"]["failureThreshold"] == 360
+    assert "livenessProbe" not in server
+
+
+def test_tls_switches_probes_and_metrics_to_https() -> None:
+    rendered = scenario("tls")
+    server = rendered.server
+    for probe_name in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert server[probe_name]["httpGet"]["scheme"] == "HTTPS"
+    env = env_of(server)
+    assert env["NIM_SSL_MODE"]["value"] == "TLS"
+    assert env["NIM_SSL_KEY_PATH"]["value"] == "/etc/nim/tls/tls.key"
+    assert env["NIM_SSL_CERTS_PATH"]["value"] == "/etc/nim/tls/tls.crt"
+    assert "NIM_SSL_CA_CERTS_PATH" not in env
+    assert mounts_by_path(server)["/etc/nim/tls"]["readOnly"] is True
+    assert volumes_by_name(rendered.pod_spec)["tls"]["secret"]["secretName"] == "nim-tls"
+    assert rendered.one("ServiceMonitor")["spec"]["endpoints"][0]["scheme"] == "https"
+    assert rendered.one("Service")["spec"]["ports"][0]["appProtocol"] == "https"
+    for pod in rendered.test_pods:
+        assert str(env_value(pod["spec"]["containers"][0], "NIM_TEST_BASE_URL")).startswith("https://")
+        tls_volume = volumes_by_name(pod["spec"])["tls"]["secret"]
+        assert [item["key"] for item in tls_volume["items"]] == ["ca.crt"], "test pods get no private key"
+
+
+def test_mtls_uses_exec_probes_with_the_client_certificate() -> None:
+    rendered = scenario("mtls")
+    server = rendered.server
+    assert env_value(server, "NIM_SSL_CA_CERTS_PATH") == "/etc/nim/tls/ca.crt"
+    for probe_name, path in (("livenessProbe", "/v1/health/live"), ("readinessProbe", "/v1/health/ready")):
+        command = server[probe_name]["exec"]["command"]
+        assert command[:2] == ["python3", "-c"]
+        assert f"https://127.0.0.1:8000{path}" in command[2]
+        assert "/etc/nim/tls-client/tls.crt" in command[2]
+    assert mounts_by_path(server)["/etc/nim/tls-client"]["readOnly"] is True
+    assert volumes_by_name(rendered.pod_spec)["tls-client"]["secret"]["secretName"] == "nim-client"
+
+
+# ---------------------------------------------------------------- environment and secrets
+
+
+def test_env_from_values() -> None:
+    server = scenario("everything").server
+    names = [e["name"] for e in server["env"]]
+    assert len(names) == len(set(names)), "duplicate env names break server-side apply"
+    expected = {
+        "NIM_MODEL_NAME": "meta-llama/Llama-3.1-8B-Instruct",
+        "NIM_MODEL_PROFILE": "tensorrt_llm-h100-fp8-tp2-pp1-throughput",
+        "NIM_SERVED_MODEL_NAME": "llama-3.1-8b",
+        "NIM_MAX_MODEL_LEN": "8192",
+        "NIM_TENSOR_PARALLEL_SIZE": "2",
+        "NIM_KV_CACHE_PERCENT": "0.85",
+        "NIM_ENABLE_KV_CACHE_REUSE": "0",
+        "NIM_LOG_LEVEL": "TRACE",  # env passthrough replaces the chart's value
+        "NIM_JSONL_LOGGING": "0",
+        "NIM_PEFT_SOURCE": "/loras",
+        "HF_HUB_OFFLINE": "1",
+        "NIM_SERVER_PORT": "8000",
+        "NIM_CACHE_PATH": "/opt/nim/.cache",
+        "NIM_MAX_NUM_SEQS": "128",  # extraEnv comes after env
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector.observability:4318",
+        "OTEL_SERVICE_NAME": FULLNAME,
+    }
+    assert {name: env_value(server, name) for name in expected} == expected
+    assert server["envFrom"] == [{"configMapRef": {"name": "nim-extra"}}]
+    assert server["command"] == ["python3", "/app/entrypoint.py"]
+    assert server["args"] == ["serve", "--log-level", "debug"]
+    assert server["image"] == "ghcr.io/nim-torch/nim-torch:nightly@sha256:" + "a" * 64
+
+
+def test_defaults_set_only_what_the_values_say() -> None:
+    env = env_of(scenario("defaults").server)
+    assert set(env) == {
+        "NIM_CACHE_PATH",
+        "NIM_SERVER_PORT",
+        "NIM_SHUTDOWN_GRACE_SECONDS",
+        "NIM_LOG_LEVEL",
+        "NIM_JSONL_LOGGING",
+    }
+
+
+def test_secrets_only_by_reference() -> None:
+    rendered = scenario("secrets")
+    env = env_of(rendered.server)
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
+    }
+    assert env["NIM_API_KEY"] == {
+        "name": "NIM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "nim-api-keys", "key": "NIM_API_KEY"}},
+    }
+    assert not rendered.of_kind("Secret") and not rendered.of_kind("ConfigMap")
+    for pod in rendered.test_pods:
+        test_env = env_of(pod["spec"]["containers"][0])
+        assert test_env["NIM_API_KEY"]["valueFrom"] == {
+            "secretKeyRef": {"name": "nim-api-keys", "key": "NIM_API_KEY"}
+        }
+        assert test_env["NIM_TEST_MODEL"]["value"] == "llama"
+
+
+def test_secret_names_appear_only_inside_secret_references() -> None:
+    sentinel = "sentinel-secret-7c1f"
+    rendered = render(
+        {
+            "model": {"hfTokenSecret": {"name": sentinel, "key": "token"}},
+            "auth": {"apiKeySecret": {"name": sentinel, "key": "keys"}},
+        }
+    )
+    hits = [path for obj in rendered.objects for path, leaf in walk(obj) if leaf == sentinel]
+    assert hits
+    for path in hits:
+        assert path[-2:] == ("secretKeyRef", "name"), path
+    assert rendered.text.count(sentinel) == len(hits), "the secret name leaked outside a secretKeyRef"
+    sensitive = [
+        e
+        for obj in rendered.objects
+        for _container, e in walk_env(obj)
+        if re.search(r"(^|_)(TOKEN|API_KEY|PASSWORD)$", e["name"])
+    ]
+    assert sensitive and all("value" not in e and "secretKeyRef" in e["valueFrom"] for e in sensitive)
+
+
+def test_ngc_api_secret_alias_feeds_hf_token() -> None:
+    env = env_of(render({"model": {"ngcAPISecret": "ngc-secret"}}).server)
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ngc-secret", "key": "HF_TOKEN"}
+
+
+# ---------------------------------------------------------------- networking and scaling
+
+
+def test_service_port_is_named_http_openai() -> None:
+    rendered = scenario("defaults")
+    service = rendered.one("Service")
+    (port,) = service["spec"]["ports"]
+    assert port["name"] == "http-openai" and port["port"] == 8000 and port["targetPort"] == "http-openai"
+    assert service["spec"]["selector"] == rendered.workload["spec"]["selector"]["matchLabels"]
+
+
+def test_pod_labels_keep_the_selector_and_carry_the_engine_type() -> None:
+    rendered = scenario("everything")
+    labels = rendered.workload["spec"]["template"]["metadata"]["labels"]
+    selector = rendered.workload["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= labels.items(), "podLabels must not override the selector labels"
+    assert labels["team"] == "llm"
+    assert labels[ENGINE_TYPE_LABEL] == "vllm"
+    assert ENGINE_TYPE_LABEL in scenario("defaults").workload["spec"]["template"]["metadata"]["labels"]
+
+
+def test_inference_pool() -> None:
+    rendered = scenario("gateway")
+    pool = rendered.one("InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    pod_labels = rendered.workload["spec"]["template"]["metadata"]["labels"]
+    match = pool["spec"]["selector"]["matchLabels"]
+    assert match.items() <= pod_labels.items()
+    assert match[ENGINE_TYPE_LABEL] == "vllm" == pod_labels[ENGINE_TYPE_LABEL]
+    for pod in rendered.test_pods:
+        assert not match.items() <= pod["metadata"]["labels"].items(), "the pool must not select test pods"
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "demo-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
+    default_ref = render({"inferencePool": {"enabled": True}}).one("InferencePool")["spec"][
+        "endpointPickerRef"
+    ]
+    assert default_ref["name"] == f"{FULLNAME}-epp" and default_ref["failureMode"] == "FailClose"
+
+
+def test_service_monitor() -> None:
+    monitor = scenario("gateway").one("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"] == scenario("gateway").one("Service")["spec"]["selector"]
+    )
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint == {
+        "port": "http-openai",
+        "path": "/v1/metrics",
+        "scheme": "http",
+        "interval": "15s",
+        "scrapeTimeout": "10s",
+    }
+
+
+def test_ingress_network_policy_and_pdb() -> None:
+    rendered = scenario("gateway")
+    ingress = rendered.one("Ingress")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "3600"
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": FULLNAME, "port": {"name": "http-openai"}}
+    assert ingress["spec"]["tls"] == [{"hosts": ["nim.example.com"], "secretName": "nim-tls"}]
+
+    policy = rendered.one("NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"] == rendered.workload["spec"]["selector"]["matchLabels"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert {"namespaceSelector": {"matchLabels": {"name": "gateway"}}} in rule["from"]
+    test_labels = rendered.test_pods[0]["metadata"]["labels"]
+    assert any(
+        peer.get("podSelector", {}).get("matchLabels", {}).items() <= test_labels.items()
+        and "podSelector" in peer
+        for peer in rule["from"]
+    ), "helm test pods must be allowed in"
+    dns, allow_all = policy["egress"]
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    assert allow_all == {}
+
+    pdb = rendered.one("PodDisruptionBudget")["spec"]
+    assert pdb == {"selector": {"matchLabels": policy["podSelector"]["matchLabels"]}, "maxUnavailable": 1}
+    assert scenario("everything").one("PodDisruptionBudget")["spec"]["minAvailable"] == "50%"
+
+
+def test_network_policy_without_open_egress_keeps_dns() -> None:
+    egress = scenario("everything").one("NetworkPolicy")["spec"]["egress"]
+    assert {} not in egress
+    assert egress[0]["ports"][0]["port"] == 53
+    assert egress[1] == {"ports": [{"port": 443}]}
+    assert "from" not in scenario("everything").one("NetworkPolicy")["spec"]["ingress"][0], "[] = anyone"
+
+
+@pytest.mark.parametrize("name", ["hpa", "hpa-full-metrics"])
+def test_hpa_owns_replicas(name: str) -> None:
+    rendered = scenario(name)
+    hpa = rendered.one("HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert "replicas" not in rendered.workload["spec"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": rendered.workload["kind"], "name": FULLNAME}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (
+        1,
+        SCENARIOS[name]["autoscaling"].get("maxReplicas", 4),
+    )
+    if name == "hpa":
+        assert hpa["spec"]["metrics"] == [
+            {
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": "num_requests_waiting"},
+                    "target": {"type": "AverageValue", "averageValue": "4"},
+                },
+            }
+        ]
+    else:
+        assert hpa["spec"]["metrics"] == SCENARIOS[name]["autoscaling"]["metrics"]
+        assert hpa["spec"]["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 600}}
+
+
+@pytest.mark.parametrize(
+    ("name", "metric", "metric_type", "threshold"),
+    [
+        ("keda", "sum(vllm:num_requests_waiting{", "AverageValue", "5"),
+        ("keda-kv-cache", "avg(vllm:kv_cache_usage_perc{", "Value", "0.8"),
+    ],
+)
+def test_keda_scaled_object(name: str, metric: str, metric_type: str, threshold: str) -> None:
+    rendered = scenario(name)
+    assert not rendered.of_kind("HorizontalPodAutoscaler")
+    assert "replicas" not in rendered.workload["spec"]
+    scaled = rendered.one("ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": FULLNAME}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == metric_type
+    meta = trigger["metadata"]
+    assert meta["serverAddress"] == PROM
+    assert meta["query"].startswith(metric)
+    assert f'namespace="{NAMESPACE}"' in meta["query"] and f'service="{FULLNAME}"' in meta["query"]
+    assert meta["threshold"] == threshold
+    assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata must be strings"
+
+
+# ---------------------------------------------------------------- helm test hooks and NOTES
+
+
+def test_helm_test_pods_call_models_completion_and_streaming_chat() -> None:
+    rendered = scenario("defaults")
+    pods = rendered.test_pods
+    assert [p["metadata"]["name"] for p in pods] == [
+        f"{FULLNAME}-test-{check}" for check in ("models", "completion", "chat")
+    ]
+    script = SMOKE_SCRIPT.read_text()
+    for pod, check in zip(pods, ("models", "completion", "chat"), strict=True):
+        assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert pod["spec"]["restartPolicy"] == "Never"
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == rendered.server["image"], "tests use the service's own image"
+        assert container["command"] == ["python3", "-c", script, check]
+        assert env_value(container, "NIM_TEST_BASE_URL") == f"http://{FULLNAME}.{NAMESPACE}.svc:8000"
+        assert "NIM_TEST_MODEL" not in env_of(container), "no servedName: the script asks /v1/models"
+        assert "NIM_API_KEY" not in env_of(container)
+    assert "data: [DONE]" in script
+    assert not render({"tests": {"enabled": False}}).test_pods
+
+
+def test_notes_explain_how_to_reach_and_call_the_service() -> None:
+    notes = scenario("secrets").notes
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{FULLNAME} 8000:8000" in notes
+    assert f"rollout status statefulset/{FULLNAME}" in notes
+    assert "/v1/models" in notes and "/v1/chat/completions" in notes and "helm test demo" in notes
+    assert "Authorization: Bearer $NIM_API_KEY" in notes
+    assert "1800 s" in notes
+
+
+# ---------------------------------------------------------------- the hook script, run for real
+
+
+@dataclass(frozen=True)
+class Hook:
+    """What a rendered helm test pod runs: its script (after the YAML round trip) and its environment."""
+
+    script: str
+    env: dict[str, str]
+
+    def run(self, check: str, **env: str) -> subprocess.CompletedProcess[str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "HTTP", "http"))}
+        return subprocess.run(
+            [sys.executable, "-c", self.script, check],
+            env={**base, **self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def run_all(self, **env: str) -> list[str]:
+        """Every check, as the three hook pods do; return their outputs (asserting exit status 0)."""
+        outputs = []
+        for check in ("models", "completion", "chat"):
+            proc = self.run(check, **env)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            outputs.append(proc.stdout)
+        return outputs
+
+
+def hook(rendered: Rendered, base_url: str) -> Hook:
+    """The rendered test pods' script and plain env, pointed at base_url instead of the Service."""
+    container = rendered.test_pods[0]["spec"]["containers"][0]
+    python, flag, script, _check = container["command"]
+    assert (python, flag) == ("python3", "-c")
+    assert script == SMOKE_SCRIPT.read_text()
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    return Hook(script, {**env, "NIM_TEST_BASE_URL": base_url, "NIM_TEST_TIMEOUT_SECONDS": "20"})
+
+
+def test_hook_script_passes_against_the_real_service(base_url: str) -> None:
+    out = hook(scenario("defaults"), base_url).run_all()
+    assert out[0].startswith("PASS /v1/models")
+    assert "data: [DONE]" in out[2]
+
+
+@dataclass
+class Stub:
+    url: str
+    port: int
+    seen_auth: list[str | None]
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    """Just enough of the OpenAI API for the hook script: health, models, completions, streaming chat."""
+
+    api_key: str | None = None
+    ready = True
+    end_with_done = True
+    seen_auth: list[str | None]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _json(self, status: int, body: Obj) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 503:
+            self.send_header("Retry-After", "5")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        auth = self.headers.get("Authorization")
+        self.seen_auth.append(auth)
+        if self.api_key and auth != f"Bearer {self.api_key}":
+            self._json(401, {"error": {"message": "bad key", "type": "invalid_request_error", "code": None}})
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/health/ready":
+            self._json(200 if self.ready else 503, {"status": "ready" if self.ready else "loading"})
+        elif self.path == "/v1/health/live":
+            self._json(200, {"status": "live"})
+        elif self.path == "/v1/models" and self._authorized():
+            self._json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not self._authorized():
+            return
+        if body.get("model") != "stub-model":
+            self._json(404, {"error": {"message": "no such model", "code": "model_not_found"}})
+        elif self.path == "/v1/completions":
+            self._json(200, {"object": "text_completion", "choices": [{"index": 0, "text": " Paris"}]})
+        else:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for piece in ("Hel", "lo"):
+                delta = {"index": 0, "delta": {"content": piece}}
+                chunk = {"object": "chat.completion.chunk", "choices": [delta]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.end_with_done:
+                self.wfile.write(b"data: [DONE]\n\n")
+
+
+@contextlib.contextmanager
+def serve_stub(context: ssl.SSLContext | None = None, **options: Any) -> Iterator[Stub]:
+    """A stub server on 127.0.0.1 (HTTPS with `context`); options override StubHandler attributes."""
+    seen: list[str | None] = []
+    handler = type("Handler", (StubHandler,), {**options, "seen_auth": seen})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        yield Stub(f"{'https' if context else 'http'}://127.0.0.1:{port}", port, seen)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_hook_script_sends_the_first_api_key() -> None:
+    with serve_stub(api_key="key-one") as stub:
+        smoke = hook(scenario("secrets"), stub.url)
+        assert smoke.env["NIM_TEST_MODEL"] == "llama"
+        # NIM_API_KEY is what the pod's secretKeyRef resolves to
+        smoke.run_all(NIM_API_KEY="key-one, key-two", NIM_TEST_MODEL="stub-model")
+        assert set(stub.seen_auth) == {"Bearer key-one"}
+        failed = smoke.run("models", NIM_API_KEY="wrong")
+    assert failed.returncode == 1 and "FAIL: /v1/models answered 401" in failed.stdout
+
+
+def test_hook_script_fails_a_stream_without_done() -> None:
+    with serve_stub(end_with_done=False) as stub:
+        failed = hook(scenario("defaults"), stub.url).run("chat")
+    assert failed.returncode == 1
+    assert "FAIL: stream did not end with data: [DONE]" in failed.stdout
+
+
+# ---------------------------------------------------------------- TLS and mutual TLS, with real certificates
+
+
+@dataclass(frozen=True)
+class Pki:
+    """tls.crt, tls.key and ca.crt in one directory, like a cert-manager kubernetes.io/tls Secret mount."""
+
+    directory: Path
+
+    def server_context(self, *, mutual: bool) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.directory / "tls.crt", self.directory / "tls.key")
+        if mutual:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(self.directory / "ca.crt")
+        return ctx
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA and one certificate (127.0.0.1, no extended key usage: good for server and client auth)."""
+    x509 = pytest.importorskip("cryptography.x509", reason="cryptography is needed to make test certificates")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+
+    def build(subject: str, public_key: Any, *, ca: bool) -> Any:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test-ca")]))
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+            builder = builder.add_extension(san, critical=False)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    directory = tmp_path_factory.mktemp("tls")
+    pem = serialization.Encoding.PEM
+    (directory / "ca.crt").write_bytes(build("test-ca", ca_key.public_key(), ca=True).public_bytes(pem))
+    (directory / "tls.crt").write_bytes(build("nim", key.public_key(), ca=False).public_bytes(pem))
+    private = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    (directory / "tls.key").write_bytes(private)
+    return Pki(directory)
+
+
+def render_tls(pki: Pki, mode: str, port: int) -> Rendered:
+    """The chart with the TLS Secret "mounted" at the test certificates and the server on `port`."""
+    tls = {"mode": mode, "secretName": "nim-tls", "mountPath": str(pki.directory)}
+    return render({"tls": tls, "model": {"openaiPort": port, "servedName": "stub-model"}})
+
+
+def run_probe(rendered: Rendered, probe: str) -> subprocess.CompletedProcess[str]:
+    command = rendered.server[probe]["exec"]["command"]
+    assert command[0] == "python3"
+    return subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=30)
+
+
+def test_hook_script_over_tls_verifies_the_ca(pki: Pki) -> None:
+    with serve_stub(pki.server_context(mutual=False)) as stub:
+        rendered = render_tls(pki, "TLS", stub.port)
+        smoke = hook(rendered, stub.url)
+        assert smoke.env["NIM_TEST_CA_FILE"] == str(pki.directory / "ca.crt")
+        smoke.run_all()
+
+
+def test_mtls_exec_probes_and_hook_script_present_the_client_certificate(pki: Pki) -> None:
+    with serve_stub(pki.server_context(mutual=True)) as stub:
+        rendered = render_tls(pki, "MTLS", stub.port)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            result = run_probe(rendered, probe)
+            assert result.returncode == 0, result.stderr
+        smoke = hook(rendered, stub.url)
+        assert smoke.env["NIM_TEST_CLIENT_CERT"] == str(pki.directory / "tls.crt")
+        smoke.run_all()
+        no_cert = ssl.create_default_context(cafile=pki.directory / "ca.crt")
+        with pytest.raises(OSError):  # the stub really demands a client certificate
+            urllib.request.urlopen(f"{stub.url}/v1/health/live", context=no_cert, timeout=10).read()
+
+
+def test_mtls_readiness_probe_fails_while_not_ready(pki: Pki) -> None:
+    with serve_stub(pki.server_context(mutual=True), ready=False) as stub:
+        rendered = render_tls(pki, "MTLS", stub.port)
+        assert run_probe(rendered, "livenessProbe").returncode == 0
+        result = run_probe(rendered, "readinessProbe")
+    assert result.returncode != 0 and "503" in result.stderr
