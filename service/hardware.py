@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -63,11 +64,35 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-def available_cpu_count() -> int:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_cpu_count(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """CPUs this process may use: its affinity, lowered to the container's CPU quota (rounded up).
+
+    A pod limited to 4 CPUs on a 64-core node still sees 64 in its affinity; running 64 threads
+    under a 4-CPU quota is throttled into long stalls (and missed health probes)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    """CPUs' worth of time per period allowed by cgroup v2 (cpu.max) or v1 (cfs quota), if limited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -16,6 +16,7 @@ from service.hardware import (
     CPUInfo,
     GPUInfo,
     SystemInfo,
+    available_cpu_count,
     cpu_flags,
     cpu_has_fast_bf16,
     describe,
@@ -678,3 +679,29 @@ def test_describe_cpu_only_says_why() -> None:
     assert "Driver" not in text and "- CPU: AMD EPYC 9R14" in text
     text = describe(detect_system("0,9,1", h100x8(), cpu=CPU))
     assert "- Note: CUDA_VISIBLE_DEVICES entry '9' matches no GPU" in text
+
+
+# --- CPU quota ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({}, None),  # no cgroup files: not limited
+        ({"cpu.max": "max 100000"}, None),
+        ({"cpu.max": "400000 100000"}, 4),
+        ({"cpu.max": "150000 100000"}, 2),  # 1.5 CPUs: two threads, not one
+        ({"cpu.max": "10000 100000"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "200000", "cpu/cpu.cfs_period_us": "100000"}, 2),
+    ],
+)
+def test_cpu_count_follows_the_container_quota(
+    tmp_path: Path, files: dict[str, str], expected: int | None
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    unlimited = available_cpu_count(tmp_path / "absent")
+    counted = available_cpu_count(tmp_path)
+    assert counted == (unlimited if expected is None else min(expected, unlimited))
