@@ -30,7 +30,10 @@ RUN python -m venv /opt/nim/venv \
 FROM ${TRTLLM_IMAGE}:${TRTLLM_TAG} AS gpu-base
 # The base image's CUDA torch and tensorrt_llm stay where they are: the virtual environment sees
 # them through --system-site-packages, and pip keeps them because they already satisfy the wheel.
-RUN python3 -m venv --system-site-packages /opt/nim/venv
+# NGC's entrypoint script (CUDA forward compatibility on older drivers, banner) must be there: the
+# gpu target runs the service through it.
+RUN test -x /opt/nvidia/nvidia_entrypoint.sh \
+    && python3 -m venv --system-site-packages /opt/nim/venv
 
 # --- gpu (the cpu target below repeats these steps on its base; keep the two in step) -----------
 FROM gpu-base AS gpu
@@ -68,7 +71,7 @@ EXPOSE 8000
 # Generous start period: the first start may download weights or build an engine.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=1800s --retries=3 \
     CMD ["python", "/opt/nim/entrypoint.py", "health"]
-ENTRYPOINT ["python", "/opt/nim/entrypoint.py"]
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "python", "/opt/nim/entrypoint.py"]
 CMD ["serve"]
 
 # --- cpu ---------------------------------------------------------------------------------------

@@ -81,7 +81,10 @@ def test_each_target_runs_the_service_as_deployments_expect(target: str) -> None
     assert stage.values("VOLUME") == ['["/opt/nim/.cache"]']
     env = " ".join(stage.values("ENV"))
     assert "NIM_CACHE_PATH=/opt/nim/.cache" in env and "NIM_SERVER_PORT=8000" in env
-    assert stage.values("ENTRYPOINT") == ['["python", "/opt/nim/entrypoint.py"]']
+    (entrypoint,) = stage.values("ENTRYPOINT")
+    # The gpu target runs through NGC's entrypoint script (CUDA forward compatibility), then ours.
+    wrapper = '"/opt/nvidia/nvidia_entrypoint.sh", ' if target == "gpu" else ""
+    assert entrypoint == f'[{wrapper}"python", "/opt/nim/entrypoint.py"]'
     assert stage.values("CMD") == ['["serve"]']
     (healthcheck,) = stage.values("HEALTHCHECK")
     assert "--start-period=" in healthcheck and '"/opt/nim/entrypoint.py", "health"]' in healthcheck
