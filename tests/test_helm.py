@@ -63,6 +63,8 @@ SCENARIOS: dict[str, Obj] = {
         "resources": {"gpu": 0, "requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
         "tolerations": [],
         "shm": {"sizeLimit": "1Gi"},
+        # one claim shared by two replicas: ReadWriteMany (a ReadWriteOnce claim fails the render)
+        "persistence": {"accessModes": ["ReadWriteMany"]},
     },
     "existing-claim-statefulset": {"persistence": {"existingClaim": "model-cache"}},
     "existing-claim-deployment": {
@@ -73,6 +75,7 @@ SCENARIOS: dict[str, Obj] = {
     "hpa": {"autoscaling": {"enabled": True, "maxReplicas": 3, "targetAverageValue": "4"}},
     "hpa-full-metrics": {
         "workload": {"kind": "Deployment"},
+        "persistence": {"accessModes": ["ReadWriteMany"]},
         "autoscaling": {
             "enabled": True,
             "metrics": [
@@ -87,12 +90,13 @@ SCENARIOS: dict[str, Obj] = {
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
         },
     },
-    "keda": {"keda": {"enabled": True, "prometheus": {"serverAddress": PROM}}},
+    "keda": {
+        "keda": {"enabled": True, "prometheus": {"serverAddress": PROM}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
     "keda-kv-cache": {
-        "keda": {
-            "enabled": True,
-            "prometheus": {"serverAddress": PROM, "metric": "kvCache", "threshold": "0.8"},
-        }
+        "keda": {"enabled": True, "prometheus": {"serverAddress": PROM, "metric": "kvCache"}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
     },
     "gateway": {
         "ingress": {
@@ -118,6 +122,11 @@ SCENARIOS: dict[str, Obj] = {
         "metrics": {"serviceMonitor": {"enabled": True}},
     },
     "mtls": {"tls": {"mode": "MTLS", "secretName": "nim-tls", "clientSecretName": "nim-client"}},
+    # values written for the nim-llm chart: NGC secret alias, cache at /model-store, TP 2 and no GPU count
+    "nim-llm-compat": {
+        "model": {"ngcAPISecret": "ngc-api", "nimCache": "/model-store", "tensorParallelSize": 2},
+        "workload": {"kind": "Deployment"},
+    },
     "everything": {
         "model": {
             "name": "meta-llama/Llama-3.1-8B-Instruct",
@@ -129,7 +138,6 @@ SCENARIOS: dict[str, Obj] = {
             "enableKvCacheReuse": False,
             "logLevel": "DEBUG",
             "jsonLogging": False,
-            "loraSource": "/loras",
             "hfHubOffline": True,
         },
         "resources": {"gpu": 2, "requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "128Gi"}},
@@ -285,6 +293,25 @@ def walk_env(obj: Obj) -> Iterator[tuple[str, Obj]]:
 # ---------------------------------------------------------------- lint and schemas
 
 
+def test_lora_source_stays_in_the_schema_but_is_refused() -> None:
+    lora = chart().schema["properties"]["model"]["properties"]["loraSource"]
+    assert lora["type"] == "string" and "not supported yet" in lora["description"]
+    assert chart().values["model"]["loraSource"] == ""
+    assert "NIM_PEFT_SOURCE" not in scenario("everything").text
+
+
+def test_readme_documents_the_chart_as_rendered() -> None:
+    readme = (CHART_DIR / "README.md").read_text()
+    # the endpoint picker Service the InferencePool points at by default
+    assert "<fullname>-epp" in readme and "<release>-nim-torch-epp" not in readme
+    # StatefulSet fields Kubernetes refuses to change after install
+    for field in ("podManagementPolicy", "volumeClaimTemplates", "serviceName", "persistence.storageClass"):
+        assert field in readme, field
+    assert "immutable" in readme.lower()
+    assert "helm test llama --timeout 15m" in readme
+    assert "optional: true" in readme and "NVIDIA_VISIBLE_DEVICES=void" in readme
+
+
 def test_helm_sdk_is_real_helm() -> None:
     assert helm.helm_sdk_version().startswith("v"), helm.helm_sdk_version()
 
@@ -364,8 +391,90 @@ def test_every_object_is_valid_kubernetes(name: str) -> None:
         pytest.param({"tls": {"mode": "TLS"}}, ["tls.mode=TLS needs tls.secretName"], id="tls-no-secret"),
         pytest.param(
             {"terminationGracePeriodSeconds": 30},
-            ["terminationGracePeriodSeconds (30) must exceed model.shutdownGraceSeconds (30)"],
+            [
+                "terminationGracePeriodSeconds (30) must be at least 50",
+                "preStop hook (10 s) + model.shutdownGraceSeconds (30) + 10 s",
+            ],
             id="grace-too-short",
+        ),
+        pytest.param(
+            {"terminationGracePeriodSeconds": 49},
+            ["terminationGracePeriodSeconds (49) must be at least 50"],
+            id="grace-without-room-for-pre-stop",
+        ),
+        pytest.param(
+            {"lifecycle": {"preStop": {"sleep": {"seconds": 25}}}},
+            ["terminationGracePeriodSeconds (60) must be at least 65", "preStop hook (25 s)"],
+            id="grace-vs-explicit-sleep-action",
+        ),
+        pytest.param(
+            {"lifecycle": {"preStop": {"exec": {"command": ["/bin/sleep", "30"]}}}},
+            ["terminationGracePeriodSeconds (60) must be at least 70", "preStop hook (30 s)"],
+            id="grace-vs-explicit-sleep-command",
+        ),
+        pytest.param(
+            {"workload": {"kind": "Deployment", "replicas": 2}},
+            ["workload.kind=Deployment", "persistence.accessModes [ReadWriteOnce]", "Multi-Attach"],
+            id="deployment-rwo-replicas",
+        ),
+        pytest.param(
+            {"workload": {"kind": "Deployment"}, "autoscaling": {"enabled": True}},
+            ["workload.kind=Deployment", "persistence.accessModes [ReadWriteOnce]", "ReadWriteMany"],
+            id="deployment-rwo-hpa",
+        ),
+        pytest.param(
+            {
+                "workload": {"kind": "Deployment"},
+                "persistence": {"accessModes": ["ReadWriteOncePod"]},
+                "keda": {"enabled": True, "prometheus": {"serverAddress": PROM}},
+                "metrics": {"serviceMonitor": {"enabled": True}},
+            },
+            ["workload.kind=Deployment", "persistence.accessModes [ReadWriteOncePod]"],
+            id="deployment-rwop-keda",
+        ),
+        pytest.param(
+            {
+                "tls": {"mode": "MTLS", "secretName": "nim-tls"},
+                "metrics": {"serviceMonitor": {"enabled": True}},
+            },
+            ["tls.mode=MTLS needs metrics.serviceMonitor.tlsConfig", "client certificate config"],
+            id="mtls-service-monitor-without-client-cert",
+        ),
+        pytest.param(
+            {"keda": {"enabled": True, "prometheus": {"serverAddress": PROM}}},
+            ["needs metrics.serviceMonitor.enabled=true", "`service` label", "keda.prometheus.query"],
+            id="keda-builtin-query-without-service-monitor",
+        ),
+        pytest.param(
+            {
+                "keda": {
+                    "enabled": True,
+                    "prometheus": {"serverAddress": PROM, "metric": "kvCache", "threshold": 80},
+                },
+                "metrics": {"serviceMonitor": {"enabled": True}},
+            },
+            ["keda.prometheus.threshold (80) is above 1", "vllm:kv_cache_usage_perc", "0 to 1"],
+            id="keda-kv-cache-threshold-as-percent",
+        ),
+        pytest.param(
+            {"model": {"tensorParallelSize": 4}, "resources": {"gpu": 2}},
+            ["model.tensorParallelSize (4) needs one GPU per rank, but the pod gets 2"],
+            id="tp-above-gpus",
+        ),
+        pytest.param(
+            {"model": {"tensorParallelSize": 2}, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+            ["model.tensorParallelSize (2) needs one GPU per rank, but the pod gets 1"],
+            id="tp-above-gpus-in-limits",
+        ),
+        pytest.param(
+            {"model": {"tensorParallelSize": 2}, "resources": {"gpu": 0}},
+            ["model.tensorParallelSize (2) needs one GPU per rank, but the pod gets 0"],
+            id="tp-without-gpus",
+        ),
+        pytest.param(
+            {"model": {"loraSource": "/loras"}},
+            ["model.loraSource (/loras) is not supported yet", "LoRA adapters are not supported"],
+            id="lora-not-supported-yet",
         ),
     ],
 )
@@ -418,7 +527,8 @@ def test_default_is_a_gpu_statefulset_with_a_cache_claim_per_replica() -> None:
     sts = rendered.one("StatefulSet")
     assert sts["metadata"]["name"] == FULLNAME
     assert sts["spec"]["replicas"] == 1
-    assert sts["spec"]["serviceName"] == rendered.one("Service")["metadata"]["name"]
+    assert sts["spec"]["serviceName"] == f"{FULLNAME}-headless"
+    assert "updateStrategy" not in sts["spec"], "StatefulSet: Kubernetes' default RollingUpdate"
     assert rendered.server["image"] == "ghcr.io/nim-torch/nim-torch:0.1.0-gpu"
     assert rendered.server.get("args") is None and rendered.server.get("command") is None
     (claim,) = sts["spec"]["volumeClaimTemplates"]
@@ -440,6 +550,7 @@ def test_deployment_on_the_cpu_image_has_no_gpu() -> None:
     deploy = rendered.one("Deployment")
     assert deploy["spec"]["progressDeadlineSeconds"] == 3600
     assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     assert rendered.server["image"] == "ghcr.io/nim-torch/nim-torch:0.1.0-cpu"
     assert "nvidia.com/gpu" not in rendered.text
     assert rendered.server["resources"] == {
@@ -462,6 +573,10 @@ def test_deployment_on_the_cpu_image_has_no_gpu() -> None:
         ({"image": {"flavor": "cpu"}}, 0),
         ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, 2),  # nim-llm style values
         ({"resources": {"gpu": 0, "limits": {"nvidia.com/gpu": 2}}}, 0),
+        ({"model": {"tensorParallelSize": 4}}, 4),  # one GPU per tensor-parallel rank
+        ({"model": {"tensorParallelSize": 2}, "resources": {"gpu": 4}}, 4),
+        ({"model": {"tensorParallelSize": 2}, "resources": {"limits": {"nvidia.com/gpu": 2}}}, 2),
+        ({"model": {"tensorParallelSize": 1}, "resources": {"gpu": 0}}, 0),
     ],
 )
 def test_gpu_count_goes_to_limits_and_requests(values: Obj, expected: int) -> None:
@@ -477,6 +592,59 @@ def test_gpu_count_goes_to_limits_and_requests(values: Obj, expected: int) -> No
 def test_gpu_resource_name_can_be_a_mig_profile() -> None:
     resources = render({"resources": {"gpuResourceName": "nvidia.com/mig-3g.40gb"}}).server["resources"]
     assert resources == {"limits": {"nvidia.com/mig-3g.40gb": 1}, "requests": {"nvidia.com/mig-3g.40gb": 1}}
+
+
+def test_deployment_defaults_to_recreate() -> None:
+    # a rolling update's surge pod needs a spare GPU and, on a ReadWriteOnce claim, the claim's node
+    for name in ("deployment-cpu", "existing-claim-deployment", "hpa-full-metrics", "nim-llm-compat"):
+        assert scenario(name).one("Deployment")["spec"]["strategy"] == {"type": "Recreate"}, name
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    deploy = render({"workload": {"kind": "Deployment", "updateStrategy": rolling}}).one("Deployment")
+    assert deploy["spec"]["strategy"] == rolling
+    assert scenario("everything").one("StatefulSet")["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param({"workload": {"kind": "Deployment", "replicas": 1}}, id="rwo-one-replica"),
+        pytest.param(
+            {"workload": {"kind": "Deployment", "replicas": 3}, "persistence": {"existingClaim": "shared"}},
+            id="existing-claim",
+        ),
+        pytest.param(
+            {"workload": {"kind": "Deployment", "replicas": 3}, "persistence": {"enabled": False}},
+            id="empty-dir",
+        ),
+        pytest.param(
+            {
+                "workload": {"kind": "Deployment"},
+                "persistence": {"accessModes": ["ReadWriteOnce", "ReadWriteMany"]},
+                "autoscaling": {"enabled": True},
+            },
+            id="rwx-hpa",
+        ),
+        pytest.param({"workload": {"replicas": 3}, "autoscaling": {"enabled": True}}, id="statefulset"),
+    ],
+)
+def test_several_replicas_without_a_single_node_claim_render(values: Obj) -> None:
+    assert render(values).workload["kind"] == values["workload"].get("kind", "StatefulSet")
+
+
+def test_pre_stop_sleep_covers_the_endpoint_lag() -> None:
+    server = scenario("defaults").server
+    assert server["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "10"]}}}
+    assert render({"preStopSleepSeconds": 3}).server["lifecycle"]["preStop"]["exec"]["command"] == [
+        "sleep",
+        "3",
+    ]
+    # an explicit lifecycle replaces the default hook entirely
+    assert scenario("everything").server["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    post_start = {"postStart": {"exec": {"command": ["true"]}}}
+    assert render({"lifecycle": post_start}).server["lifecycle"] == post_start
+    # 0 = no hook; the grace period then only needs shutdown grace + 10 s
+    bare = render({"preStopSleepSeconds": 0, "terminationGracePeriodSeconds": 40})
+    assert "lifecycle" not in bare.server and bare.pod_spec["terminationGracePeriodSeconds"] == 40
 
 
 @pytest.mark.parametrize("kind", sorted(WORKLOAD_KINDS))
@@ -585,8 +753,11 @@ def test_tls_switches_probes_and_metrics_to_https() -> None:
     assert "NIM_SSL_CA_CERTS_PATH" not in env
     assert mounts_by_path(server)["/etc/nim/tls"]["readOnly"] is True
     assert volumes_by_name(rendered.pod_spec)["tls"]["secret"]["secretName"] == "nim-tls"
-    assert rendered.one("ServiceMonitor")["spec"]["endpoints"][0]["scheme"] == "https"
-    assert rendered.one("Service")["spec"]["ports"][0]["appProtocol"] == "https"
+    (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"insecureSkipVerify": True}, "no tlsConfig given: encrypted, unverified"
+    for service in rendered.of_kind("Service"):
+        assert service["spec"]["ports"][0]["appProtocol"] == "https"
     for pod in rendered.test_pods:
         assert str(env_value(pod["spec"]["containers"][0], "NIM_TEST_BASE_URL")).startswith("https://")
         tls_volume = volumes_by_name(pod["spec"])["tls"]["secret"]
@@ -606,6 +777,26 @@ def test_mtls_uses_exec_probes_with_the_client_certificate() -> None:
     assert volumes_by_name(rendered.pod_spec)["tls-client"]["secret"]["secretName"] == "nim-client"
 
 
+def test_service_monitor_tls_config_from_values_wins() -> None:
+    tls_config = {
+        "ca": {"secret": {"name": "nim-client", "key": "ca.crt"}},
+        "cert": {"secret": {"name": "nim-client", "key": "tls.crt"}},
+        "keySecret": {"name": "nim-client", "key": "tls.key"},
+        "serverName": f"{FULLNAME}.{NAMESPACE}.svc",
+    }
+    for mode in ("TLS", "MTLS"):
+        rendered = render(
+            {
+                "tls": {"mode": mode, "secretName": "nim-tls"},
+                "metrics": {"serviceMonitor": {"enabled": True, "tlsConfig": tls_config}},
+            }
+        )
+        (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+        assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == tls_config, mode
+    (plain,) = scenario("gateway").one("ServiceMonitor")["spec"]["endpoints"]
+    assert "tlsConfig" not in plain
+
+
 # ---------------------------------------------------------------- environment and secrets
 
 
@@ -623,10 +814,10 @@ def test_env_from_values() -> None:
         "NIM_ENABLE_KV_CACHE_REUSE": "0",
         "NIM_LOG_LEVEL": "TRACE",  # env passthrough replaces the chart's value
         "NIM_JSONL_LOGGING": "0",
-        "NIM_PEFT_SOURCE": "/loras",
         "HF_HUB_OFFLINE": "1",
         "NIM_SERVER_PORT": "8000",
         "NIM_CACHE_PATH": "/opt/nim/.cache",
+        "HF_HOME": "/opt/nim/.cache/huggingface",
         "NIM_MAX_NUM_SEQS": "128",  # extraEnv comes after env
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector.observability:4318",
         "OTEL_SERVICE_NAME": FULLNAME,
@@ -642,6 +833,8 @@ def test_defaults_set_only_what_the_values_say() -> None:
     env = env_of(scenario("defaults").server)
     assert set(env) == {
         "NIM_CACHE_PATH",
+        "HF_HOME",
+        "XDG_CACHE_HOME",
         "NIM_SERVER_PORT",
         "NIM_SHUTDOWN_GRACE_SECONDS",
         "NIM_LOG_LEVEL",
@@ -691,9 +884,38 @@ def test_secret_names_appear_only_inside_secret_references() -> None:
     assert sensitive and all("value" not in e and "secretKeyRef" in e["valueFrom"] for e in sensitive)
 
 
-def test_ngc_api_secret_alias_feeds_hf_token() -> None:
-    env = env_of(render({"model": {"ngcAPISecret": "ngc-secret"}}).server)
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ngc-secret", "key": "HF_TOKEN"}
+def test_ngc_api_secret_alias_feeds_hf_token_optionally() -> None:
+    # a nim-llm NGC secret holds NGC_API_KEY: a required HF_TOKEN key would stop the container
+    env = env_of(scenario("nim-llm-compat").server)
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ngc-api",
+        "key": "HF_TOKEN",
+        "optional": True,
+    }
+    both = env_of(
+        render({"model": {"ngcAPISecret": "ngc-api", "hfTokenSecret": {"name": "hf-token"}}}).server
+    )
+    assert both["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}, (
+        "model.hfTokenSecret wins, and is required"
+    )
+
+
+def test_hf_home_and_xdg_cache_follow_the_cache_path() -> None:
+    server = scenario("nim-llm-compat").server
+    assert env_value(server, "NIM_CACHE_PATH") == "/model-store"
+    assert env_value(server, "HF_HOME") == "/model-store/huggingface"
+    assert env_value(server, "XDG_CACHE_HOME") == "/model-store/xdg"
+    assert "/model-store" in mounts_by_path(server)
+    override = render(
+        {
+            "model": {"nimCache": "/model-store/"},
+            "env": [{"name": "HF_HOME", "value": "/hf"}],
+            "extraEnv": [{"name": "XDG_CACHE_HOME", "value": "/xdg"}],
+        }
+    ).server
+    names = [e["name"] for e in override["env"]]
+    assert names.count("HF_HOME") == 1 and names.count("XDG_CACHE_HOME") == 1
+    assert (env_value(override, "HF_HOME"), env_value(override, "XDG_CACHE_HOME")) == ("/hf", "/xdg")
 
 
 # ---------------------------------------------------------------- networking and scaling
@@ -701,7 +923,7 @@ def test_ngc_api_secret_alias_feeds_hf_token() -> None:
 
 def test_service_port_is_named_http_openai() -> None:
     rendered = scenario("defaults")
-    service = rendered.one("Service")
+    service = services(rendered)[0]
     (port,) = service["spec"]["ports"]
     assert port["name"] == "http-openai" and port["port"] == 8000 and port["targetPort"] == "http-openai"
     assert service["spec"]["selector"] == rendered.workload["spec"]["selector"]["matchLabels"]
@@ -740,13 +962,64 @@ def test_inference_pool() -> None:
     assert default_ref["name"] == f"{FULLNAME}-epp" and default_ref["failureMode"] == "FailClose"
 
 
+def services(rendered: Rendered) -> tuple[Obj, Obj | None]:
+    """The main Service and the StatefulSet's headless Service (None for a Deployment)."""
+    by_name = {s["metadata"]["name"]: s for s in rendered.of_kind("Service")}
+    main = by_name.pop(FULLNAME)
+    headless = by_name.pop(f"{FULLNAME}-headless", None)
+    assert not by_name, sorted(by_name)
+    return main, headless
+
+
+def test_statefulset_gets_a_headless_governing_service() -> None:
+    rendered = scenario("defaults")
+    main, headless = services(rendered)
+    assert headless is not None
+    assert rendered.workload["spec"]["serviceName"] == headless["metadata"]["name"]
+    spec = headless["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+    assert spec["selector"] == rendered.workload["spec"]["selector"]["matchLabels"]
+    assert spec["ports"] == [
+        {
+            "name": "http-openai",
+            "port": 8000,
+            "targetPort": "http-openai",
+            "protocol": "TCP",
+            "appProtocol": "http",
+        }
+    ]
+    assert "clusterIP" not in main["spec"] and "publishNotReadyAddresses" not in main["spec"]
+    for name in ("deployment-cpu", "existing-claim-deployment", "hpa-full-metrics"):
+        assert services(scenario(name))[1] is None, f"{name}: a Deployment needs no headless Service"
+    long_name = render({"fullnameOverride": "x" * 63}).one("StatefulSet")["spec"]["serviceName"]
+    assert len(long_name) <= 63 and long_name.endswith("-headless")
+
+
+@pytest.mark.parametrize("name", ["gateway", "keda", "tls"])
+def test_service_monitor_selects_only_the_main_service(name: str) -> None:
+    rendered = scenario(name)
+    match = rendered.one("ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    main, headless = services(rendered)
+    assert match.items() <= main["metadata"]["labels"].items()
+    assert headless is not None
+    assert not match.items() <= headless["metadata"]["labels"].items(), "pods would be scraped twice"
+    # service.labels cannot take the component label away from the main Service
+    relabeled = render(
+        {
+            "metrics": {"serviceMonitor": {"enabled": True}},
+            "service": {"labels": {"app.kubernetes.io/component": "x", "tier": "a"}},
+        }
+    )
+    labels = services(relabeled)[0]["metadata"]["labels"]
+    assert match.items() <= labels.items() and labels["tier"] == "a"
+
+
 def test_service_monitor() -> None:
     monitor = scenario("gateway").one("ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    assert (
-        monitor["spec"]["selector"]["matchLabels"] == scenario("gateway").one("Service")["spec"]["selector"]
-    )
+    selector = scenario("gateway").one("StatefulSet")["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["selector"]["matchLabels"] == {**selector, "app.kubernetes.io/component": "api"}
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint == {
@@ -825,8 +1098,8 @@ def test_hpa_owns_replicas(name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "metric", "metric_type", "threshold"),
     [
-        ("keda", "sum(vllm:num_requests_waiting{", "AverageValue", "5"),
-        ("keda-kv-cache", "avg(vllm:kv_cache_usage_perc{", "Value", "0.8"),
+        ("keda", "sum(vllm:num_requests_waiting{", "AverageValue", "5"),  # waiting requests per replica
+        ("keda-kv-cache", "avg(vllm:kv_cache_usage_perc{", "Value", "0.8"),  # a fraction 0-1
     ],
 )
 def test_keda_scaled_object(name: str, metric: str, metric_type: str, threshold: str) -> None:
@@ -846,6 +1119,29 @@ def test_keda_scaled_object(name: str, metric: str, metric_type: str, threshold:
     assert f'namespace="{NAMESPACE}"' in meta["query"] and f'service="{FULLNAME}"' in meta["query"]
     assert meta["threshold"] == threshold
     assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata must be strings"
+    assert rendered.one("ServiceMonitor"), (
+        "the query's `service` label comes from the ServiceMonitor's scrape"
+    )
+
+
+@pytest.mark.parametrize(
+    ("prometheus", "threshold"),
+    [
+        ({"metric": "kvCache", "threshold": 0.9}, "0.9"),
+        ({"metric": "kvCache", "threshold": "1"}, "1"),
+        ({"metric": "queue", "threshold": 12}, "12"),
+        # a custom query is the user's own scale: no 0-1 check, no ServiceMonitor needed
+        ({"metric": "kvCache", "query": "avg(my_kv_percent)", "threshold": 80}, "80"),
+    ],
+)
+def test_keda_threshold_from_values(prometheus: Obj, threshold: str) -> None:
+    values: Obj = {"keda": {"enabled": True, "prometheus": {"serverAddress": PROM, **prometheus}}}
+    if "query" not in prometheus:
+        values["metrics"] = {"serviceMonitor": {"enabled": True}}
+    (trigger,) = render(values).one("ScaledObject")["spec"]["triggers"]
+    assert trigger["metadata"]["threshold"] == threshold
+    if "query" in prometheus:
+        assert trigger["metadata"]["query"] == prometheus["query"]
 
 
 # ---------------------------------------------------------------- helm test hooks and NOTES
@@ -867,6 +1163,8 @@ def test_helm_test_pods_call_models_completion_and_streaming_chat() -> None:
         assert env_value(container, "NIM_TEST_BASE_URL") == f"http://{FULLNAME}.{NAMESPACE}.svc:8000"
         assert "NIM_TEST_MODEL" not in env_of(container), "no servedName: the script asks /v1/models"
         assert "NIM_API_KEY" not in env_of(container)
+        assert env_value(container, "NVIDIA_VISIBLE_DEVICES") == "void", "no GPUs in a client pod"
+        assert "nvidia.com/gpu" not in json.dumps(container["resources"])
     assert "data: [DONE]" in script
     assert not render({"tests": {"enabled": False}}).test_pods
 
@@ -875,7 +1173,9 @@ def test_notes_explain_how_to_reach_and_call_the_service() -> None:
     notes = scenario("secrets").notes
     assert f"kubectl -n {NAMESPACE} port-forward svc/{FULLNAME} 8000:8000" in notes
     assert f"rollout status statefulset/{FULLNAME}" in notes
-    assert "/v1/models" in notes and "/v1/chat/completions" in notes and "helm test demo" in notes
+    assert "/v1/models" in notes and "/v1/chat/completions" in notes
+    assert f"helm test demo -n {NAMESPACE} --timeout 15m" in notes, "Helm's 5 minutes are too short"
+    assert "--timeout 32m" in render({"tests": {"timeoutSeconds": 1800}}).notes
     assert "Authorization: Bearer $NIM_API_KEY" in notes
     assert "1800 s" in notes
 

@@ -81,6 +81,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: helm-test
 {{- end }}
 
+{{/*
+Labels of the main (ClusterIP) Service: service.labels, then the chart's labels (which win), then a
+component label that only this Service carries, so the ServiceMonitor never also selects the headless one.
+*/}}
+{{- define "nim-torch.serviceLabels" -}}
+{{- $labels := deepCopy (.Values.service.labels | default dict) }}
+{{- $labels = merge (include "nim-torch.labels" . | fromYaml) $labels }}
+{{- $_ := set $labels "app.kubernetes.io/component" "api" }}
+{{- toYaml $labels }}
+{{- end }}
+
+{{/*
+StatefulSet only: the headless Service that gives the pods stable DNS names (the StatefulSet's serviceName).
+*/}}
+{{- define "nim-torch.headlessServiceName" -}}
+{{- printf "%s-headless" (include "nim-torch.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
 {{- define "nim-torch.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "nim-torch.fullname" .) .Values.serviceAccount.name }}
@@ -103,19 +121,36 @@ Image reference: repository:<tag or appVersion-flavor>[@digest].
 {{- end }}
 
 {{/*
-GPUs per pod: resources.gpu, else the count already in resources.limits, else 1 (gpu flavour) / 0 (cpu).
+GPUs per pod: resources.gpu, else the count already in resources.limits, else 0 for the cpu flavour, else
+model.tensorParallelSize (one GPU per tensor-parallel rank), else 1.
 */}}
 {{- define "nim-torch.gpuCount" -}}
 {{- $res := .Values.resources }}
 {{- $limits := $res.limits | default dict }}
+{{- $tp := .Values.model.tensorParallelSize }}
 {{- if not (kindIs "invalid" $res.gpu) }}
 {{- $res.gpu | int }}
 {{- else if hasKey $limits $res.gpuResourceName }}
 {{- index $limits $res.gpuResourceName | int }}
 {{- else if eq .Values.image.flavor "cpu" }}
 {{- 0 }}
+{{- else if not (kindIs "invalid" $tp) }}
+{{- $tp | int }}
 {{- else }}
 {{- 1 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The GPU count the user gave explicitly (resources.gpu, else resources.limits[gpuResourceName]); "" = none.
+*/}}
+{{- define "nim-torch.explicitGpuCount" -}}
+{{- $res := .Values.resources }}
+{{- $limits := $res.limits | default dict }}
+{{- if not (kindIs "invalid" $res.gpu) }}
+{{- $res.gpu | int }}
+{{- else if hasKey $limits $res.gpuResourceName }}
+{{- index $limits $res.gpuResourceName | int }}
 {{- end }}
 {{- end }}
 
@@ -164,6 +199,68 @@ HF_TOKEN Secret name: model.hfTokenSecret.name, else the nim-llm alias model.ngc
 {{- end }}
 
 {{/*
+Container lifecycle: `lifecycle` when set (it replaces the default entirely), else a preStop `sleep
+preStopSleepSeconds` (0 = none) that keeps the pod serving while endpoints, kube-proxy and the gateway's
+endpoint picker notice that it is terminating.
+*/}}
+{{- define "nim-torch.lifecycle" -}}
+{{- if .Values.lifecycle }}
+{{- toYaml .Values.lifecycle }}
+{{- else if gt (int .Values.preStopSleepSeconds) 0 }}
+preStop:
+  exec:
+    command: {{ list "sleep" (.Values.preStopSleepSeconds | int | toString) | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+Seconds the preStop hook sleeps before SIGTERM: preStopSleepSeconds, or for an explicit `lifecycle` its
+preStop sleep action or `sleep N` exec command (0 when it is something else).
+*/}}
+{{- define "nim-torch.preStopSeconds" -}}
+{{- $lc := .Values.lifecycle | default dict }}
+{{- if not $lc }}
+{{- .Values.preStopSleepSeconds | int }}
+{{- else }}
+{{- $pre := $lc.preStop | default dict }}
+{{- $cmd := list }}
+{{- if and $pre.exec $pre.exec.command }}
+{{- $cmd = $pre.exec.command }}
+{{- end }}
+{{- if and $pre.sleep (hasKey $pre.sleep "seconds") }}
+{{- $pre.sleep.seconds | int }}
+{{- else if and (eq (len $cmd) 2) (eq (index $cmd 0 | toString | base) "sleep") }}
+{{- index $cmd 1 | int }}
+{{- else }}
+{{- 0 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+KEDA threshold: keda.prometheus.threshold, else 5 (waiting requests per replica) for `queue` and 0.8 (a
+fraction of the KV cache) for `kvCache`.
+*/}}
+{{- define "nim-torch.kedaThreshold" -}}
+{{- $p := .Values.keda.prometheus }}
+{{- if and (not (kindIs "invalid" $p.threshold)) (ne ($p.threshold | toString) "") }}
+{{- $p.threshold | toString }}
+{{- else if eq $p.metric "kvCache" }}
+{{- "0.8" }}
+{{- else }}
+{{- "5" }}
+{{- end }}
+{{- end }}
+
+{{/*
+`helm test --timeout` in minutes: each test pod may run tests.timeoutSeconds + 60 s (activeDeadlineSeconds);
+at least 15.
+*/}}
+{{- define "nim-torch.testTimeoutMinutes" -}}
+{{- max 15 (add (div (add (int .Values.tests.timeoutSeconds) 60 59) 60) 1) }}
+{{- end }}
+
+{{/*
 Python one-liner an MTLS exec probe runs inside the container: GET a path with the client certificate;
 exit status 0 only for a 2xx answer.
 */}}
@@ -206,6 +303,11 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- $m := $v.model }}
 {{- $env := list }}
 {{- $env = append $env (dict "name" "NIM_CACHE_PATH" "value" $m.nimCache) }}
+{{- /* The image sets these under /opt/nim/.cache; they follow model.nimCache so that everything the
+       Hugging Face libraries and the engines write lands on the cache volume. */}}
+{{- $cache := $m.nimCache | trimSuffix "/" }}
+{{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $cache)) }}
+{{- $env = append $env (dict "name" "XDG_CACHE_HOME" "value" (printf "%s/xdg" $cache)) }}
 {{- $env = append $env (dict "name" "NIM_SERVER_PORT" "value" ($m.openaiPort | toString)) }}
 {{- $env = append $env (dict "name" "NIM_SHUTDOWN_GRACE_SECONDS" "value" ($m.shutdownGraceSeconds | toString)) }}
 {{- $env = append $env (dict "name" "NIM_LOG_LEVEL" "value" $m.logLevel) }}
@@ -231,15 +333,18 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- if not (kindIs "invalid" $m.enableKvCacheReuse) }}
 {{- $env = append $env (dict "name" "NIM_ENABLE_KV_CACHE_REUSE" "value" (ternary "1" "0" $m.enableKvCacheReuse)) }}
 {{- end }}
-{{- with $m.loraSource }}
-{{- $env = append $env (dict "name" "NIM_PEFT_SOURCE" "value" .) }}
-{{- end }}
+{{- /* model.loraSource (NIM_PEFT_SOURCE) is refused by nim-torch.validate: LoRA serving is not built yet. */}}
 {{- if $m.hfHubOffline }}
 {{- $env = append $env (dict "name" "HF_HUB_OFFLINE" "value" "1") }}
 {{- end }}
 {{- with include "nim-torch.hfTokenSecretName" . }}
-{{- $ref := dict "secretKeyRef" (dict "name" . "key" $m.hfTokenSecret.key) }}
-{{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" $ref) }}
+{{- $keyRef := dict "name" . "key" $m.hfTokenSecret.key }}
+{{- if not $m.hfTokenSecret.name }}
+{{- /* From the nim-llm alias: that Secret usually holds NGC_API_KEY only, and a missing key must not
+       stop the container (CreateContainerConfigError); HF_TOKEN is then simply unset. */}}
+{{- $_ := set $keyRef "optional" true }}
+{{- end }}
+{{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" $keyRef)) }}
 {{- end }}
 {{- with $v.auth.apiKeySecret.name }}
 {{- $ref := dict "secretKeyRef" (dict "name" . "key" $v.auth.apiKeySecret.key) }}
@@ -287,23 +392,55 @@ Checks that JSON schema cannot express; rendered from the workload so every inst
 {{- fail (printf "autoscaling.minReplicas (%v) must not exceed autoscaling.maxReplicas (%v)" $v.autoscaling.minReplicas $v.autoscaling.maxReplicas) }}
 {{- end }}
 {{- if $v.keda.enabled }}
-{{- if not $v.keda.prometheus.serverAddress }}
+{{- $p := $v.keda.prometheus }}
+{{- if not $p.serverAddress }}
 {{- fail "keda.enabled needs keda.prometheus.serverAddress (the Prometheus URL KEDA queries), e.g. http://prometheus-operated.monitoring.svc:9090" }}
 {{- end }}
 {{- if gt (int $v.keda.minReplicaCount) (int $v.keda.maxReplicaCount) }}
 {{- fail (printf "keda.minReplicaCount (%v) must not exceed keda.maxReplicaCount (%v)" $v.keda.minReplicaCount $v.keda.maxReplicaCount) }}
 {{- end }}
+{{- if not $p.query }}
+{{- if not $v.metrics.serviceMonitor.enabled }}
+{{- fail (printf "keda.enabled with the built-in query (keda.prometheus.metric=%s) needs metrics.serviceMonitor.enabled=true: the query selects the release's series by the `service` label that the ServiceMonitor's scrape adds, so without it KEDA finds no data. Enable metrics.serviceMonitor, or give your own keda.prometheus.query." $p.metric) }}
+{{- end }}
+{{- $threshold := include "nim-torch.kedaThreshold" . }}
+{{- if and (eq $p.metric "kvCache") (gt (float64 $threshold) 1.0) }}
+{{- fail (printf "keda.prometheus.threshold (%s) is above 1, but keda.prometheus.metric=kvCache scales on vllm:kv_cache_usage_perc, a fraction from 0 to 1: use e.g. 0.8 (or leave it null for 0.8)" $threshold) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and (include "nim-torch.tlsEnabled" .) (not $v.tls.secretName) }}
 {{- fail (printf "tls.mode=%s needs tls.secretName: an existing kubernetes.io/tls Secret (tls.crt, tls.key%s)" $v.tls.mode (ternary ", ca.crt" "" (eq $v.tls.mode "MTLS"))) }}
 {{- end }}
-{{- if le (int $v.terminationGracePeriodSeconds) (int $v.model.shutdownGraceSeconds) }}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed model.shutdownGraceSeconds (%v), or Kubernetes kills the server before in-flight requests finish" $v.terminationGracePeriodSeconds $v.model.shutdownGraceSeconds) }}
+{{- $preStop := include "nim-torch.preStopSeconds" . | int }}
+{{- $needed := add $preStop (int $v.model.shutdownGraceSeconds) 10 }}
+{{- if lt (int $v.terminationGracePeriodSeconds) $needed }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be at least %v: the preStop hook (%v s) + model.shutdownGraceSeconds (%v) + 10 s for the server to exit, all within the grace period, or Kubernetes kills the server before in-flight requests finish" $v.terminationGracePeriodSeconds $needed $preStop $v.model.shutdownGraceSeconds) }}
 {{- end }}
 {{- if and $v.pdb.enabled (kindIs "invalid" $v.pdb.minAvailable) (kindIs "invalid" $v.pdb.maxUnavailable) }}
 {{- fail "pdb.enabled needs pdb.minAvailable or pdb.maxUnavailable" }}
 {{- end }}
 {{- if and $v.persistence.enabled (not $v.persistence.existingClaim) (not $v.persistence.accessModes) }}
 {{- fail "persistence.accessModes must not be empty when persistence.enabled creates a claim" }}
+{{- end }}
+{{- if and (eq $v.workload.kind "Deployment") $v.persistence.enabled (not $v.persistence.existingClaim) }}
+{{- $modes := $v.persistence.accessModes }}
+{{- $shared := or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes) }}
+{{- $scaled := or $v.autoscaling.enabled $v.keda.enabled }}
+{{- if and (not $shared) (or $scaled (gt (int $v.workload.replicas) 1)) }}
+{{- fail (printf "workload.kind=Deployment mounts one chart-created claim (%s-cache) in every replica, but persistence.accessModes %v attaches it to a single node: with workload.replicas > 1, autoscaling.enabled or keda.enabled, pods on other nodes hang on Multi-Attach errors. Use persistence.accessModes [ReadWriteMany], a persistence.existingClaim, or workload.kind=StatefulSet (one claim per replica)." (include "nim-torch.fullname" .) $modes) }}
+{{- end }}
+{{- end }}
+{{- $explicitGpus := include "nim-torch.explicitGpuCount" . }}
+{{- $tp := $v.model.tensorParallelSize }}
+{{- /* 0 GPUs = the CPU engine, a single rank */}}
+{{- if and (not (kindIs "invalid" $tp)) $explicitGpus (gt (int $tp) (max 1 (int $explicitGpus))) }}
+{{- fail (printf "model.tensorParallelSize (%v) needs one GPU per rank, but the pod gets %v (resources.gpu or resources.limits[%s]): raise the GPU count, or leave resources.gpu null to request %v" $tp $explicitGpus $v.resources.gpuResourceName $tp) }}
+{{- end }}
+{{- if $v.model.loraSource }}
+{{- fail (printf "model.loraSource (%s) is not supported yet: this version of nim-torch does not serve LoRA adapters and exits at start with NIM_PEFT_SOURCE set (\"LoRA adapters are not supported by this version yet\"), which would crash-loop a pod that holds a GPU. Leave model.loraSource empty." $v.model.loraSource) }}
+{{- end }}
+{{- if and $v.metrics.serviceMonitor.enabled (eq $v.tls.mode "MTLS") (not $v.metrics.serviceMonitor.tlsConfig) }}
+{{- fail "metrics.serviceMonitor.enabled with tls.mode=MTLS needs metrics.serviceMonitor.tlsConfig with a client certificate config (ca, cert and keySecret, e.g. from the tls.clientSecretName Secret): the server refuses scrapes without a client certificate." }}
 {{- end }}
 {{- end }}

@@ -73,9 +73,9 @@ spec:
       readinessProbe:
         {{- include "nim-torch.probe" (list . $v.readinessProbe) | trim | nindent 8 }}
       {{- end }}
-      {{- with $v.lifecycle }}
+      {{- with (include "nim-torch.lifecycle" .) }}
       lifecycle:
-        {{- toYaml . | nindent 8 }}
+        {{- . | trim | nindent 8 }}
       {{- end }}
       volumeMounts:
         - name: nim-cache
