@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from service.config import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
-from service.engine.torch.loading import load_torch_engine
-from service.model_store import resolve_model
+from service.engine.torch.loading import build_engine
+from service.serving import config_for
 
 
 class DenseAttention:
@@ -129,7 +129,7 @@ def main() -> None:
         max_num_batched_tokens=max(1024, args.batch),
         kv_cache_max_tokens=65536,
     )
-    engine = load_torch_engine(resolve_model(None, None, settings.cache_path), settings)
+    engine = build_engine(config_for(settings))
 
     async def start() -> None:
         await engine.start()

@@ -30,6 +30,8 @@ from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from service.util import one_line
+
 __all__ = ["NO_CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError"]
 
 NO_CHAT_TEMPLATE = "model has no chat template; use /v1/completions or set a chat template"
@@ -96,12 +98,12 @@ class ChatTemplate:
         except ChatTemplateError:
             raise
         except SecurityError as exc:
-            raise ChatTemplateError(f"chat template attempted an unsafe operation: {_one_line(exc)}") from exc
+            raise ChatTemplateError(f"chat template attempted an unsafe operation: {one_line(exc)}") from exc
         except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed to render: {_one_line(exc)}") from exc
+            raise ChatTemplateError(f"chat template failed to render: {one_line(exc)}") from exc
         except Exception as exc:  # a template can trip any Python error (TypeError on str + list, ...)
             raise ChatTemplateError(
-                f"chat template failed to render: {type(exc).__name__}: {_one_line(exc)}"
+                f"chat template failed to render: {one_line(exc, with_type=True)}"
             ) from exc
 
 
@@ -204,10 +206,6 @@ def _iterates_content(ast: nodes.Template) -> bool:
         if isinstance(assign.target, nodes.Name) and _reads_content(assign.node, set()):
             aliases.add(assign.target.name)
     return any(_reads_content(loop.iter, aliases) for loop in ast.find_all(nodes.For))
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------

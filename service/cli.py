@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
 def serve(settings: Settings) -> int:
     """Run until stopped; returns the process exit code (non-zero when the model failed)."""
     from service.api.app import create_app
+    from service.planning import served_name
     from service.server import DrainingServer
+    from service.serving import bring_up_model
 
     if settings.peft_source is not None:
         log.error(
@@ -123,7 +125,7 @@ def serve(settings: Settings) -> int:
             server.should_exit = True
 
     try:
-        app = create_app(settings, on_fatal=on_fatal)
+        app = create_app(settings, served_name(settings), bring_up_model(settings), on_fatal=on_fatal)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return 2

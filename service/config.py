@@ -12,10 +12,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.config import DeviceKind, DType, KVCacheDType
+
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-DType = Literal["auto", "bfloat16", "float16", "float32"]
-KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
-Device = Literal["auto", "cpu", "cuda"]
 
 
 def _env(name: str) -> AliasChoices:
@@ -61,7 +60,7 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_DTYPE"),
         description="Weight/activation dtype; auto = bfloat16 where the hardware runs it fast, else float32.",
     )
-    device: Device = Field(
+    device: DeviceKind = Field(
         "auto", validation_alias=_env("NIM_DEVICE"), description="auto = CUDA when available, else CPU."
     )
     max_num_seqs: int = Field(

@@ -1,9 +1,10 @@
-"""Prometheus metrics, observed where the fact happens.
+"""Prometheus metrics: the series, their names and buckets.
 
-The engine observes queues, tokens and latencies; the API observes HTTP outcomes. Metric names
-follow vLLM's (`vllm:*`), which Kubernetes inference gateways and dashboards already read, plus
-NIM's documented unprefixed gauges. Every `Metrics` owns its registry: no global state, so tests
-and several servers in one process never collide.
+Nothing here observes an engine directly: service.metering turns what engines report (typed
+stats snapshots and timed outputs) into these series, and the API's middleware observes HTTP
+outcomes. Names follow vLLM's (`vllm:*`), which Kubernetes inference gateways and dashboards
+already read, plus NIM's documented unprefixed ones. Every `Metrics` owns its registry: no
+global state, so tests and several servers in one process never collide.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.registry import Collector
 
 # `*_created` series double the scrape size and no gateway reads them (vLLM drops them too).
 disable_created_metrics()
@@ -36,12 +37,6 @@ class Metrics:
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
 
-        self.num_requests_running = Gauge(
-            "vllm:num_requests_running", "Requests generating now.", m, registry=r
-        )
-        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", m, registry=r)
-        self.nim_requests_running = Gauge("num_requests_running", "Requests generating now.", registry=r)
-        self.nim_requests_waiting = Gauge("num_requests_waiting", "Requests queued.", registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
         self.time_to_first_token = Histogram(
@@ -70,35 +65,13 @@ class Metrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests.", [*m, "finished_reason"], registry=r
         )
-        self.kv_cache_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", m, registry=r
+        self.request_failure = Counter(
+            "request_failure", "Requests the engine failed (an error, not a finish reason).", registry=r
         )
-        self.gpu_cache_usage = Gauge(
-            "vllm:gpu_cache_usage_perc", "KV cache blocks in use (0-1); older name.", m, registry=r
-        )
-        self.nim_cache_usage = Gauge("gpu_cache_usage_perc", "KV cache blocks in use (0-1).", registry=r)
-        self.num_preemptions = Counter(
-            "vllm:num_preemptions", "Requests preempted for KV blocks.", m, registry=r
-        )
-        self.prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r
-        )
-        self.prefix_cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r
-        )
-        self.cache_config_info = Gauge(
-            "vllm:cache_config_info",
-            "KV cache configuration (value 1).",
-            ["block_size", "num_gpu_blocks", "cache_dtype"],
-            registry=r,
-        )
-        self._prefix_seen = (0, 0)
         # Create every model_name-labelled series now, so scrapers see zeros rather than gaps.
         for metric in (
-            self.num_requests_running, self.num_requests_waiting, self.prompt_tokens, self.generation_tokens,
-            self.time_to_first_token, self.inter_token_latency, self.e2e_latency, self.request_prompt_tokens,
-            self.request_generation_tokens, self.kv_cache_usage, self.gpu_cache_usage, self.num_preemptions,
-            self.prefix_cache_queries, self.prefix_cache_hits,
+            self.prompt_tokens, self.generation_tokens, self.time_to_first_token, self.inter_token_latency,
+            self.e2e_latency, self.request_prompt_tokens, self.request_generation_tokens,
         ):  # fmt: skip
             metric.labels(model_name)
         self.http_requests = Counter(
@@ -112,41 +85,22 @@ class Metrics:
             registry=r,
         )
 
-    # Engine-side observations ---------------------------------------------------------------
+    def register(self, collector: Collector) -> None:
+        """Add a collector whose series are computed at scrape time (the engine's stats)."""
+        self.registry.register(collector)
 
-    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str) -> None:
-        self.cache_config_info.labels(str(block_size), str(num_blocks), cache_dtype).set(1)
+    # Per-request observations (service.metering) ---------------------------------------------
 
-    def set_engine_state(
-        self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int
-    ) -> None:
-        """Called by the engine after each step; counters advance by what changed since last time."""
-        self.num_requests_running.labels(self.model_name).set(running)
-        self.num_requests_waiting.labels(self.model_name).set(waiting)
-        self.nim_requests_running.set(running)
-        self.nim_requests_waiting.set(waiting)
-        self.kv_cache_usage.labels(self.model_name).set(kv_usage)
-        self.gpu_cache_usage.labels(self.model_name).set(kv_usage)
-        self.nim_cache_usage.set(kv_usage)
-        seen_queries, seen_hits = self._prefix_seen
-        if prefix_queries > seen_queries:
-            self.prefix_cache_queries.labels(self.model_name).inc(prefix_queries - seen_queries)
-        if prefix_hits > seen_hits:
-            self.prefix_cache_hits.labels(self.model_name).inc(prefix_hits - seen_hits)
-        self._prefix_seen = (max(prefix_queries, seen_queries), max(prefix_hits, seen_hits))
+    def observe_first_token(self, num_prompt_tokens: int, ttft_seconds: float) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.time_to_first_token.labels(self.model_name).observe(ttft_seconds)
 
-    def observe_preemptions(self, count: int) -> None:
-        self.num_preemptions.labels(self.model_name).inc(count)
-
-    def observe_prefill(self, num_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_tokens)
-
-    def observe_token(self, first: bool, since_previous: float) -> None:
-        self.generation_tokens.labels(self.model_name).inc()
-        if first:
-            self.time_to_first_token.labels(self.model_name).observe(since_previous)
-        else:
-            self.inter_token_latency.labels(self.model_name).observe(since_previous)
+    def observe_tokens(self, count: int, inter_token_seconds: float | None) -> None:
+        """`count` tokens arrived `inter_token_seconds` after the previous ones (None: the first)."""
+        self.generation_tokens.labels(self.model_name).inc(count)
+        if inter_token_seconds is not None:
+            for _ in range(count):
+                self.inter_token_latency.labels(self.model_name).observe(inter_token_seconds / count)
 
     def observe_finished(
         self, reason: str, e2e_seconds: float, prompt_tokens: int, output_tokens: int
@@ -155,6 +109,9 @@ class Metrics:
         self.e2e_latency.labels(self.model_name).observe(e2e_seconds)
         self.request_prompt_tokens.labels(self.model_name).observe(prompt_tokens)
         self.request_generation_tokens.labels(self.model_name).observe(output_tokens)
+
+    def observe_failed(self) -> None:
+        self.request_failure.inc()
 
     # API-side observations ------------------------------------------------------------------
 

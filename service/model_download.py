@@ -54,11 +54,13 @@ from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 from huggingface_hub.utils import tqdm as hf_tqdm
 
+from service.model_store import PICKLE_SUFFIXES
+from service.util import one_line
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_ALLOW_PATTERNS",
-    "PICKLE_SUFFIXES",
     "AccessDeniedError",
     "ArtifactSpec",
     "DownloadError",
@@ -68,7 +70,6 @@ __all__ = [
 ]
 
 DEFAULT_ALLOW_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.json", "*.jinja", "tokenizer.model")
-PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 REPO_TYPES = ("model", "dataset")
 
 GIB = 1024**3
@@ -246,7 +247,10 @@ def download_artifact(
             cached = _cached_snapshot_or_none(layout)
             if cached is not None:
                 log.warning(
-                    "hub unavailable (%s); using the cached %s at %s", _one_line(exc), spec.label, cached
+                    "hub unavailable (%s); using the cached %s at %s",
+                    one_line(exc, with_type=True, limit=300),
+                    spec.label,
+                    cached,
                 )
                 return cached
             raise _hub_error(exc, spec, endpoint, cache_dir) from None
@@ -545,18 +549,16 @@ def _hub_error(
             f"{hub} refused {spec.repo_id} ({status}): set HF_TOKEN to a valid token with read access"
         )
     if isinstance(exc, HfHubHTTPError):
-        return DownloadError(f"{hub} answered {status} for {spec.label}; retry later ({_one_line(exc)})")
+        return DownloadError(
+            f"{hub} answered {status} for {spec.label}; retry later "
+            f"({one_line(exc, with_type=True, limit=300)})"
+        )
     if isinstance(exc, _UNREACHABLE):
         return OfflineError(
             f"cannot reach {hub} ({type(exc).__name__}) and {spec.label} is not fully cached at {cache_dir}: "
             "check network/HF_ENDPOINT, or pre-fill the cache and run offline"
         )
-    return DownloadError(f"fetching {spec.label} failed: {_one_line(exc)}")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    return DownloadError(f"fetching {spec.label} failed: {one_line(exc, with_type=True, limit=300)}")
 
 
 # --- downloading -----------------------------------------------------------------------------------------
@@ -761,7 +763,8 @@ def _resume_into(
                 ) from None
             f.truncate(0)  # http_get's size check: what arrived is not the file
             raise DownloadError(
-                f"download of {remote.path} ({spec.label}) is inconsistent ({_one_line(exc)}); retry"
+                f"download of {remote.path} ({spec.label}) is inconsistent "
+                f"({one_line(exc, with_type=True, limit=300)}); retry"
             ) from None
         got = f.tell()
     if got != remote.size:

@@ -1,6 +1,7 @@
-"""Resolve what NIM_MODEL_NAME names into files on disk, without ever unpickling anything.
+"""What NIM_MODEL_NAME can name, checked on disk without ever unpickling anything.
 
-A model is one of:
+service.planning resolves a name (through the model's profile) into a `ModelSource` with these
+checks; a model is one of:
 - the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF), when no model is named;
 - a local ``.gguf`` file;
 - a local Hugging Face model directory (config.json, *.safetensors, tokenizer.json);
@@ -33,7 +34,8 @@ REPO_MODEL_STORE = Path(__file__).resolve().parent.parent / "model_store"
 
 # Written by `create-model-store` into a self-contained model directory.
 STORE_DESCRIPTOR = "nim_model_store.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# Pickle-based checkpoint files: loading one can run arbitrary code, so none is ever read.
+PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -107,25 +109,6 @@ def default_served_name(model_name: str | None) -> str:
     return model_name
 
 
-def resolve_model(model_name: str | None, served_model_name: str | None, cache_path: Path) -> ModelSource:
-    """Turn NIM_MODEL_NAME (or its absence) into a loadable ModelSource (may download)."""
-    served = served_model_name or default_served_name(model_name)
-    if model_name is None:
-        return ModelSource("gguf", embedded_model_path(), served)
-
-    path = Path(model_name).expanduser()
-    if path.is_file():
-        return ModelSource("gguf", check_model_file(path), served)
-    if path.is_dir():
-        return source_in_directory(path, served)
-    if looks_like_hub_id(model_name):
-        local = _download_from_hub(model_name, cache_path)
-        return ModelSource("hf_dir", check_model_dir(local), served)
-    raise ModelNotFoundError(
-        f"NIM_MODEL_NAME={model_name!r} is not an existing .gguf file, model directory or hub id (org/name)"
-    )
-
-
 def check_model_file(path: Path) -> Path:
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise PickledCheckpointError(
@@ -179,16 +162,6 @@ def check_model_dir(path: Path) -> Path:
 def looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-
-
-def _download_from_hub(repo_id: str, cache_path: Path) -> Path:
-    from service.model_download import ArtifactSpec, DownloadError, download_artifact
-
-    log.info("fetching %s from the Hugging Face Hub into %s", repo_id, cache_path)
-    try:
-        return download_artifact(ArtifactSpec(repo_id, "main"), cache_path / "hub")
-    except DownloadError as exc:
-        raise ModelNotFoundError(f"{repo_id}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

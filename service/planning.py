@@ -6,7 +6,6 @@ command explains and acts on the same decision.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -15,11 +14,14 @@ from pathlib import Path
 import gguf
 
 from service.config import Settings
+from service.engine.config import PRECISION_TAGS
 from service.engine.models.config import ModelConfig
+from service.engine.registry import ENGINES, available_engines
 from service.hardware import SystemInfo, detect_system, load_system
 from service.model_download import ArtifactSpec, download_artifact
 from service.model_store import (
     EMBEDDED_MODEL_NAME,
+    ModelNotFoundError,
     ModelSource,
     check_model_dir,
     check_model_file,
@@ -45,18 +47,6 @@ from service.profiles import (
 log = logging.getLogger(__name__)
 
 
-def engine_availability() -> tuple[frozenset[str], tuple[tuple[str, str], ...]]:
-    """Engines this build can serve with, and why the others cannot be used."""
-    notes: list[tuple[str, str]] = []
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        notes.append(("tensorrt_llm", "tensorrt_llm is not installed in this image"))
-    else:
-        notes.append(
-            ("tensorrt_llm", "tensorrt_llm is installed, but this release has no TensorRT-LLM adapter yet")
-        )
-    return frozenset({"torch"}), tuple(notes)
-
-
 def current_system(settings: Settings) -> SystemInfo:
     if settings.system_info is not None:
         return load_system(settings.system_info)
@@ -64,13 +54,15 @@ def current_system(settings: Settings) -> SystemInfo:
 
 
 def policy_for(settings: Settings) -> Policy:
-    engines, notes = engine_availability()
+    engines = available_engines()
     return Policy(
-        engines=engines,
-        engine_notes=notes,
+        engines=frozenset(name for name, state in engines.items() if state.available),
+        engine_notes=tuple((name, state.reason) for name, state in engines.items() if not state.available),
+        engine_support={name: entry.support for name, entry in ENGINES.items()},
         profile_type=settings.profile_type,
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
+        precision=None if settings.dtype == "auto" else PRECISION_TAGS[settings.dtype],
     )
 
 
@@ -109,8 +101,8 @@ def manifest_for(settings: Settings) -> Manifest:
         )
         config = ModelConfig.from_hf_config(json.loads((config_dir / "config.json").read_text()))
         return generic_manifest(served, name, _architecture(config), _estimate_weights_bytes(config))
-    raise FileNotFoundError(
-        f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id"
+    raise ModelNotFoundError(
+        f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id (org/name)"
     )
 
 
@@ -216,17 +208,3 @@ def served_name(settings: Settings) -> str:
     if store is not None and store.get("model"):
         return str(store["model"])
     return default_served_name(settings.model_name)
-
-
-# Profile precision -> the torch engine's dtype setting.
-TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def settings_for_profile(settings: Settings, profile: Profile) -> Settings:
-    """Settings the engine runs with: the profile's precision and KV cache type unless set explicitly."""
-    update: dict[str, object] = {}
-    if settings.dtype == "auto" and profile.precision in TORCH_DTYPES:
-        update["dtype"] = TORCH_DTYPES[profile.precision]
-    if settings.kv_cache_dtype == "auto" and profile.kv_cache_dtype != "auto":
-        update["kv_cache_dtype"] = profile.kv_cache_dtype
-    return settings.model_copy(update=update)

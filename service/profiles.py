@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 import yaml
 
+from service.engine.registry import EngineSupport
 from service.hardware import SystemInfo
+from service.util import cdiv
 
 
 def _profiles_dir() -> Path:
@@ -204,6 +206,9 @@ class Policy:
     profile_type: Literal["throughput", "latency"] = "throughput"
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None
+    precision: str | None = None  # only profiles of this precision tag (NIM_DTYPE), None: any
+    # What each engine can run (service.engine.registry); engines absent here are not checked.
+    engine_support: Mapping[str, EngineSupport] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -226,7 +231,7 @@ def kv_bytes_per_token_per_device(profile: Profile, arch: Architecture) -> float
     if kv_dtype in ("nvfp4", "int4_wo", "int8_wo"):  # weight-only / fp4 weights keep a 16-bit cache
         element = 2
     heads_per_device = max(1, arch.num_kv_heads // profile.tp)
-    layers_per_device = -(-arch.num_layers // profile.pp)
+    layers_per_device = cdiv(arch.num_layers, profile.pp)
     return 2 * layers_per_device * heads_per_device * arch.head_dim * element
 
 
@@ -235,8 +240,16 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
     if profile.llm_engine not in policy.engines:
         notes = dict(policy.engine_notes)
         reasons.append(notes.get(profile.llm_engine, f"{profile.llm_engine} is not installed in this image"))
+    elif profile.llm_engine in policy.engine_support:
+        refusal = policy.engine_support[profile.llm_engine].refusal(
+            profile.precision, profile.tp, profile.pp, profile.feat_lora
+        )
+        if refusal is not None:
+            reasons.append(f"the {profile.llm_engine} engine {refusal}")
     if policy.tensor_parallel_size is not None and profile.tp != policy.tensor_parallel_size:
         reasons.append(f"tp={profile.tp}, but NIM_TENSOR_PARALLEL_SIZE={policy.tensor_parallel_size}")
+    if policy.precision is not None and profile.precision != policy.precision:
+        reasons.append(f"precision {profile.precision}, but NIM_DTYPE asks for {policy.precision}")
     devices = profile.tp * profile.pp
     gpus = system.gpus[:devices]
     if not system.gpus:

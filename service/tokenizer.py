@@ -26,6 +26,7 @@ import tokenizers
 
 from service.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
 from service.gguf_vocab import added_tokens, bos_eos_processor, build_backend, byte_alphabet, default_add_bos
+from service.util import one_line
 
 __all__ = ["NO_CHAT_TEMPLATE", "ChatTemplateError", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer"]
 
@@ -45,12 +46,8 @@ def _read_gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # bad magic, truncated file, ...: whatever the reader trips on
-        raise ValueError(f"{path}: not a readable GGUF file ({_one_line(exc)})") from exc
+        raise ValueError(f"{path}: not a readable GGUF file ({one_line(exc)})") from exc
     return {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.")}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _token_content(value: Any) -> str | None:
@@ -76,7 +73,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({_one_line(exc)})") from exc
+        raise ValueError(f"{path}: not valid JSON ({one_line(exc)})") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -172,7 +169,7 @@ class Tokenizer:
             backend = build_backend(model, meta, tokens, types)
             default_bos = default_add_bos(model, meta)
         except Exception as exc:  # e.g. a merge naming a token that is not in the vocabulary
-            raise ValueError(f"{path}: cannot build the tokenizer ({_one_line(exc)})") from exc
+            raise ValueError(f"{path}: cannot build the tokenizer ({one_line(exc)})") from exc
         backend.add_tokens(added_tokens(tokens, types))
 
         def token_id(key: str) -> int | None:
@@ -230,7 +227,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust side raises plain Exception
-            raise ValueError(f"{tokenizer_file}: cannot be loaded ({_one_line(exc)})") from exc
+            raise ValueError(f"{tokenizer_file}: cannot be loaded ({one_line(exc)})") from exc
         config = _read_json(path / "tokenizer_config.json")
 
         template_tokens = {}

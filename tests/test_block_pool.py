@@ -434,7 +434,7 @@ def test_hash_block_accepts_large_vocabulary_ids() -> None:
 
 def test_request_full_block_hashes_chain_from_the_root() -> None:
     tokens = list(range(100, 111))  # 11 tokens: two full blocks of 4 plus 3
-    request = Request("r", list(tokens), len(tokens), SamplingParams(max_tokens=4), 0.0, lambda out: None)
+    request = Request("r", list(tokens), len(tokens), SamplingParams(max_tokens=4), 0.0)
     hashes = request.full_block_hashes(4)
     first = hash_block(ROOT_HASH, tokens[0:4])
     second = hash_block(first, tokens[4:8])
@@ -447,13 +447,13 @@ def test_request_full_block_hashes_chain_from_the_root() -> None:
 
 def test_identical_block_after_different_prefixes_hashes_differently() -> None:
     shared_tail = [7, 7, 7, 7]
-    r1 = Request("a", [1, 2, 3, 4, *shared_tail], 8, SamplingParams(max_tokens=1), 0.0, lambda out: None)
-    r2 = Request("b", [9, 2, 3, 4, *shared_tail], 8, SamplingParams(max_tokens=1), 0.0, lambda out: None)
+    r1 = Request("a", [1, 2, 3, 4, *shared_tail], 8, SamplingParams(max_tokens=1), 0.0)
+    r2 = Request("b", [9, 2, 3, 4, *shared_tail], 8, SamplingParams(max_tokens=1), 0.0)
     h1, h2 = r1.full_block_hashes(4), r2.full_block_hashes(4)
     assert h1[0] != h2[0]
     assert h1[1] != h2[1]  # same tokens, different prefix: must not share keys/values
 
-    r3 = Request("c", [1, 2, 3, 4, 5, 5, 5, 5], 8, SamplingParams(max_tokens=1), 0.0, lambda out: None)
+    r3 = Request("c", [1, 2, 3, 4, 5, 5, 5, 5], 8, SamplingParams(max_tokens=1), 0.0)
     h3 = r3.full_block_hashes(4)
     assert h3[0] == h1[0]  # shared first block
     assert h3[1] != h1[1]

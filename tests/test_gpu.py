@@ -8,8 +8,8 @@ import pytest
 
 from service.config import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
-from service.engine.torch.loading import load_torch_engine
-from service.model_store import resolve_model
+from service.engine.torch.loading import build_engine
+from service.serving import config_for
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,7 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 
 def greedy_tokens(device: str, dtype: str) -> list[int]:
     settings = load_settings(device=device, dtype=dtype)
-    engine = load_torch_engine(resolve_model(None, None, settings.cache_path), settings)
+    engine = build_engine(config_for(settings))
 
     async def run() -> list[int]:
         await engine.start()

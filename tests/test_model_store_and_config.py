@@ -7,14 +7,24 @@ from pathlib import Path
 import pytest
 
 from service.config import ConfigError, load_settings
+from service.model_download import DownloadError
 from service.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
+    ModelSource,
     PickledCheckpointError,
     embedded_model_path,
     install_embedded,
-    resolve_model,
 )
+from service.planning import make_plan, model_source
+
+
+def resolve_model(model_name: str | None, served_model_name: str | None, cache_path: Path) -> ModelSource:
+    """What `serve` loads for NIM_MODEL_NAME: the one resolution path (planning)."""
+    settings = load_settings(
+        model_name=model_name, served_model_name=served_model_name, cache_path=cache_path
+    )
+    return model_source(make_plan(settings), settings)
 
 
 def test_embedded_model_is_found_without_network(tmp_path: Path) -> None:
@@ -67,7 +77,7 @@ def test_nonexistent_path_is_explained(tmp_path: Path) -> None:
 
 def test_uncached_hub_model_offline_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match=r"not (fully cached|in the cache)"):
+    with pytest.raises(DownloadError, match=r"not (fully cached|in the cache)"):
         resolve_model("some-org/some-model", None, tmp_path)
 
 

@@ -20,6 +20,7 @@ from service.engine.torch.paged_attention import (
     decode_mask,
     prefill_mask,
 )
+from service.util import cdiv
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 
@@ -75,7 +76,7 @@ def test_mixed_step_matches_dense_attention(cache_dtype: str, tolerance: float) 
     seqs = []
     for cached, new in layout:
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
+        table = [free.pop() for _ in range(cdiv(total, BLOCK))]
         q = torch.randn(total, HEADS, DIM)
         k = torch.randn(total, KV_HEADS, DIM)
         v = torch.randn(total, KV_HEADS, DIM)
@@ -91,7 +92,7 @@ def test_mixed_step_matches_dense_attention(cache_dtype: str, tolerance: float) 
         rows_v.append(v[cached:])
         step_slots.append(slots[cached:])
     decodes = [s for s in seqs if s[1] == 1]
-    width = max(-(-(c + n) // BLOCK) for c, n, *_ in decodes)
+    width = max(cdiv(c + n, BLOCK) for c, n, *_ in decodes)
     padded = [b for _, _, t, *_ in decodes for b in t[:width] + [0] * (width - min(len(t), width))]
     prefills, start = [], len(decodes)
     for cached, new, table, *_ in seqs[len(decodes) :]:

@@ -1,8 +1,10 @@
-"""The FastAPI application: routes, error handlers, HTTP metrics, and bringing the model up.
+"""The FastAPI application: routes, error handlers, HTTP metrics, and the model's lifecycle.
 
 The server listens at once (liveness answers while weights load); readiness turns 200 only
-after the model is loaded and warmed up. If bringing the model up fails, or the engine dies
-later, `on_fatal` is called so the process can exit non-zero and be restarted.
+after the model is loaded and warmed up. Bringing the model up is the entry point's business
+(service.serving hands in a `BringUp`): this package sees an engine only through
+service.engine.protocol. If bringing the model up fails, or the engine dies later, `on_fatal`
+is called so the process can exit non-zero and be restarted.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,33 +27,37 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from service.api.schemas import ChatCompletionChunk, CompletionResponse
 from service.api.security import APIKeyStore
-from service.api.state import ModelInfo, Ready, ServiceState
+from service.api.state import ApiLimits, Ready, ServiceState
 from service.config import Settings
-from service.engine.torch.loading import PRECISION_NAMES, load_torch_engine
 from service.metrics import Metrics
-from service.planning import make_plan, model_source, served_name, settings_for_profile
 from service.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 
 FatalHandler = Callable[[str], None]
+# Loads and starts the model; given the service's metrics and what to call if the engine dies.
+BringUp = Callable[[Metrics, FatalHandler], Awaitable[Ready]]
 
 
-def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> FastAPI:
-    name = served_name(settings)
+def create_app(
+    settings: Settings, served_name: str, bring_up: BringUp, on_fatal: FatalHandler | None = None
+) -> FastAPI:
     tracing = configure_tracing(settings)
-    state = ServiceState(settings=settings, metrics=Metrics(name), served_name=name)
+    state = ServiceState(
+        limits=ApiLimits.from_settings(settings), metrics=Metrics(served_name), served_name=served_name
+    )
+    state.metrics.register(state.engine_stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bring_up = asyncio.create_task(_bring_up(state, on_fatal))
+        loading = asyncio.create_task(_bring_up(state, bring_up, on_fatal))
         try:
             yield
         finally:
             state.phase = "stopping"
-            bring_up.cancel()
+            loading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await bring_up
+                await loading
             if state.model is not None:
                 await state.model.engine.stop()
             if tracing is not None:
@@ -90,24 +96,15 @@ def create_app(settings: Settings, on_fatal: FatalHandler | None = None) -> Fast
     return app
 
 
-async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
-    settings = state.settings
+async def _bring_up(state: ServiceState, bring_up: BringUp, on_fatal: FatalHandler | None) -> None:
+    def engine_died(reason: str) -> None:
+        state.failure = reason
+        log.error("%s", reason)
+        if on_fatal is not None:
+            on_fatal(reason)
+
     try:
-        plan = await asyncio.to_thread(make_plan, settings)
-        for line in plan.selection.explanation:
-            log.info("%s", line)
-        source = await asyncio.to_thread(model_source, plan, settings)
-
-        def engine_died(exc: BaseException) -> None:
-            state.failure = f"engine failed: {exc}"
-            if on_fatal is not None:
-                on_fatal(state.failure)
-
-        engine_settings = settings_for_profile(settings, plan.profile)
-        engine = await asyncio.to_thread(
-            load_torch_engine, source, engine_settings, state.metrics, engine_died
-        )
-        await engine.start()
+        ready = await bring_up(state.metrics, engine_died)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -116,21 +113,11 @@ async def _bring_up(state: ServiceState, on_fatal: FatalHandler | None) -> None:
         if on_fatal is not None:
             on_fatal(state.failure)
         return
-    info = ModelInfo(
-        served_name=state.served_name,
-        source=str(source.path),
-        architecture=engine.model_config.architecture,
-        max_model_len=engine.max_model_len,
-        precision=PRECISION_NAMES.get(engine.config.dtype, str(engine.config.dtype)),
-        device=engine.config.device.type,
-        profile_id=plan.profile.id,
-        profile_name=plan.profile.name,
-        profile_tags=plan.profile.tags(),
-        selection=tuple(plan.selection.explanation[:1]),
-    )
-    state.model = Ready(engine=engine, tokenizer=engine.tokenizer, info=info)
+    state.model = ready
+    state.engine_stats.attach(ready.engine, ready.info.engine)
     if state.phase == "loading":
         state.phase = "ready"
+        info = ready.info
         log.info("serving %s as %r with profile %s (%s)", info.source, info.served_name, info.profile_name,
                  info.profile_id)  # fmt: skip
 

@@ -13,11 +13,19 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from service.api.errors import APIError, invalid_request
+from service.api.errors import APIError, invalid_request, service_unavailable
 from service.api.middleware import current_request_id
 from service.api.schemas import SamplingFields, Usage
-from service.config import Settings
-from service.engine.protocol import Engine, GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
+from service.api.state import ApiLimits
+from service.engine.protocol import (
+    Engine,
+    EngineDeadError,
+    EngineFeatures,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 
 def new_id(prefix: str) -> str:
@@ -30,17 +38,17 @@ def check_context(
     max_tokens: int | None,
     max_model_len: int,
     param: str,
-    settings: Settings | None = None,
+    limits: ApiLimits | None = None,
 ) -> int:
     """Validate lengths against the context and the operator's caps; return the completion budget."""
     if num_prompt_tokens == 0:
         raise invalid_request("the prompt is empty", param)
-    prompt_cap = settings.max_prompt_tokens if settings else None
+    prompt_cap = limits.max_prompt_tokens if limits else None
     if prompt_cap is not None and num_prompt_tokens > prompt_cap:
         raise invalid_request(
             f"the prompt has {num_prompt_tokens} tokens; this server accepts at most {prompt_cap}", param
         )
-    completion_cap = settings.max_completion_tokens if settings else None
+    completion_cap = limits.max_completion_tokens if limits else None
     if completion_cap is not None:
         if max_tokens is not None and max_tokens > completion_cap:
             raise invalid_request(
@@ -66,6 +74,15 @@ class LogprobRequest:
 
     sampled: int | None = None
     prompt: int | None = None
+
+    def check(self, features: EngineFeatures, param: str) -> None:
+        """400 when the serving engine cannot compute what was asked for."""
+        if self.sampled is not None and not features.logprobs:
+            raise invalid_request("logprobs are not supported by this server's engine", param)
+        if self.prompt is not None and not features.prompt_logprobs:
+            raise invalid_request(
+                "prompt logprobs (echo with logprobs) are not supported by this engine", param
+            )
 
 
 def sampling_params(
@@ -154,10 +171,28 @@ def usage(prompt_lengths: Sequence[int], completion_tokens: int, cached_tokens: 
     )
 
 
+def ended_badly(out: RequestOutput) -> bool:
+    """The engine failed the request, or cancelled it while its client was still there."""
+    return out.error is not None or out.finish_reason == "abort"
+
+
 def engine_error(out: RequestOutput) -> APIError:
-    return APIError(
-        503, out.error or "generation failed", "server_error", None, "engine_error", {"Retry-After": "5"}
-    )
+    """What the client is told when `ended_badly(out)`."""
+    if out.error is not None:
+        return APIError(500, f"generation failed: {out.error}", "server_error", None, "engine_error")
+    return service_unavailable("generation was cancelled: the server is shutting down", 5)
+
+
+async def _outputs(engine: Engine, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    """One request's outputs; a dead engine is a 503 like readiness reports it."""
+    stream = engine.generate(request)
+    try:
+        async for out in stream:
+            yield out
+    except EngineDeadError as exc:
+        raise service_unavailable(f"model failed: {exc}", 30) from None
+    finally:
+        await stream.aclose()
 
 
 async def merged(
@@ -169,7 +204,7 @@ async def merged(
     its engine request.
     """
     if len(requests) == 1:
-        stream = engine.generate(requests[0])
+        stream = _outputs(engine, requests[0])
         try:
             async for out in stream:
                 yield 0, out
@@ -177,13 +212,15 @@ async def merged(
             await stream.aclose()
         return
 
-    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput] | APIError] = asyncio.Queue()
 
     async def produce(index: int, request: GenerationRequest) -> None:
-        stream = engine.generate(request)
+        stream = _outputs(engine, request)
         try:
             async for out in stream:
                 await queue.put((index, out))
+        except APIError as exc:
+            await queue.put(exc)
         finally:
             await stream.aclose()
 
@@ -191,7 +228,10 @@ async def merged(
     remaining = len(requests)
     try:
         while remaining:
-            index, out = await queue.get()
+            item = await queue.get()
+            if isinstance(item, APIError):
+                raise item
+            index, out = item
             if out.finished:
                 remaining -= 1
             yield index, out
@@ -211,7 +251,7 @@ async def collect(
 
     async def run() -> None:
         async for index, out in merged(engine, requests):
-            if out.error is not None or out.finish_reason == "abort":
+            if ended_badly(out):
                 raise engine_error(out)
             results[index].add(out)
 

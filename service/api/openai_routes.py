@@ -18,6 +18,7 @@ from service.api.generation import (
     build_requests,
     check_context,
     collect,
+    ended_badly,
     engine_error,
     merged,
     new_id,
@@ -108,11 +109,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
     state = _state(request)
-    budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param, state.settings)
+    budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param, state.limits)
 
     request_id = new_id("chatcmpl")
     _trace_request("chat", body, request_id, budget)
     logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
+    logprobs.check(ready.info.engine.features, "logprobs")
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs
     )
@@ -120,12 +122,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         return _sse(
             _chat_stream(
-                ready, body, request_id, engine_requests, len(prompt), state.settings.always_include_usage
+                ready, body, request_id, engine_requests, len(prompt), state.limits.always_include_usage
             ),
             state,
         )
     try:
-        results = await collect(ready.engine, engine_requests, state.settings.request_timeout_seconds)
+        results = await collect(ready.engine, engine_requests, state.limits.request_timeout_seconds)
     finally:
         state.release()
     choices = [
@@ -166,7 +168,7 @@ async def _chat_stream(
     finish_reasons: list[str | None] = [None] * len(requests)
     cached = 0
     async for index, out in merged(ready.engine, requests):
-        if out.error is not None or out.finish_reason == "abort":
+        if ended_badly(out):
             yield _sse_error(engine_error(out))
             return
         completion_tokens[index] = out.num_generated_tokens
@@ -205,7 +207,7 @@ async def completions(body: CompletionRequest, request: Request):
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
     state = _state(request)
     budgets = [
-        check_context(len(p), body.max_tokens, ready.info.max_model_len, "prompt", state.settings)
+        check_context(len(p), body.max_tokens, ready.info.max_model_len, "prompt", state.limits)
         for p in prompts
     ]
     echoes = [ready.tokenizer.decode(p, skip_special_tokens=False) if body.echo else "" for p in prompts]
@@ -215,17 +217,18 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs = LogprobRequest(
         sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
     )
+    logprobs.check(ready.info.engine.features, "logprobs")
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs)
     state.admit()
     if body.stream:
         return _sse(
             _completion_stream(
-                ready, body, request_id, engine_requests, prompts, echoes, state.settings.always_include_usage
+                ready, body, request_id, engine_requests, prompts, echoes, state.limits.always_include_usage
             ),
             state,
         )
     try:
-        results = await collect(ready.engine, engine_requests, state.settings.request_timeout_seconds)
+        results = await collect(ready.engine, engine_requests, state.limits.request_timeout_seconds)
     finally:
         state.release()
     choices = []
@@ -294,7 +297,7 @@ async def _completion_stream(
     echoed = [not body.echo] * len(requests)
     finish_reasons: list[str | None] = [None] * len(requests)
     async for index, out in merged(ready.engine, requests):
-        if out.error is not None or out.finish_reason == "abort":
+        if ended_badly(out):
             yield _sse_error(engine_error(out))
             return
         completion_tokens[index] = out.num_generated_tokens
@@ -365,7 +368,7 @@ def _sse(events: AsyncIterator[str], state: ServiceState) -> StreamingResponse:
             released = True
             state.release()
 
-    guarded = _guard(events, release, state.settings.request_timeout_seconds)
+    guarded = _guard(events, release, state.limits.request_timeout_seconds)
     return StreamingResponse(
         guarded, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(release)
     )

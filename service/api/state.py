@@ -1,4 +1,4 @@
-"""What the API knows about the running service: settings, metrics, and the model once loaded."""
+"""What the API knows about the running service: its limits, metrics, and the model once loaded."""
 
 from __future__ import annotations
 
@@ -8,9 +8,31 @@ from typing import Any, Literal
 
 from service.api.errors import APIError, service_unavailable
 from service.config import Settings
-from service.engine.protocol import Engine
+from service.engine.protocol import Engine, EngineDeadError, EngineInfo
+from service.metering import EngineStatsCollector
 from service.metrics import Metrics
 from service.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """The operator's limits on generation requests, read once from the settings."""
+
+    max_pending_requests: int  # running + queued; beyond it 429
+    max_prompt_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    request_timeout_seconds: float | None = None
+    always_include_usage: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ApiLimits:
+        return cls(
+            max_pending_requests=settings.pending_limit,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_completion_tokens=settings.max_completion_tokens,
+            request_timeout_seconds=settings.request_timeout_seconds,
+            always_include_usage=settings.always_include_usage,
+        )
 
 
 @dataclass(frozen=True)
@@ -19,21 +41,31 @@ class ModelInfo:
 
     served_name: str
     source: str
-    architecture: str
-    max_model_len: int
-    precision: str  # what the engine actually runs in
-    device: str
+    engine: EngineInfo
     profile_id: str
     profile_name: str
     profile_tags: dict[str, Any]
     selection: tuple[str, ...] = ()  # why this profile, one line each
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def profile(self) -> dict[str, Any]:
+        engine = self.engine
         return {
             "id": self.profile_id,
             "name": self.profile_name,
-            "tags": {**self.profile_tags, "device": self.device},
+            "tags": {**self.profile_tags, "device": engine.device.split(":")[0]},
+            "runtime": {
+                "engine": engine.engine,
+                "device": engine.device,
+                "weight_precision": engine.weight_precision,
+                "precision_mode": engine.precision_mode,
+                "kv_cache_dtype": engine.kv_cache_dtype,
+                "tensor_parallel_size": engine.tensor_parallel_size,
+            },
             "selection": list(self.selection),
         }
 
@@ -47,18 +79,22 @@ class Ready:
 
 @dataclass
 class ServiceState:
-    settings: Settings
+    limits: ApiLimits
     metrics: Metrics
     served_name: str
+    engine_stats: EngineStatsCollector = field(init=False)
     phase: Literal["loading", "ready", "failed", "stopping"] = "loading"
     model: Ready | None = None
     failure: str | None = None
 
     in_flight: int = 0  # generation requests being served (streams until their last byte)
 
+    def __post_init__(self) -> None:
+        self.engine_stats = EngineStatsCollector(self.served_name)
+
     def admit(self) -> None:
         """Count one more generation request in, or refuse it (429) when the bounded queue is full."""
-        limit = self.settings.pending_limit
+        limit = self.limits.max_pending_requests
         if self.in_flight >= limit:
             raise APIError(
                 429,
@@ -95,9 +131,19 @@ class ServiceState:
             return self.model
         raise self.not_ready_error()
 
+    def engine_failure(self) -> str | None:
+        if self.model is not None and self.model.engine.failure is not None:
+            return self.model.engine.failure
+        return self.failure
+
     def not_ready_error(self) -> APIError:
-        if self.phase == "failed" or (self.model is not None and not self.model.engine.ready):
-            return service_unavailable(f"model failed: {self.failure or 'engine is not running'}", 30)
+        failure = self.engine_failure()
+        if self.phase == "failed" or failure is not None:
+            return service_unavailable(f"model failed: {failure or 'engine is not running'}", 30)
         if self.phase == "stopping":
             return service_unavailable("server is shutting down", 5)
         return service_unavailable("model is loading; retry shortly", 5)
+
+    def dead_engine_error(self, exc: EngineDeadError) -> APIError:
+        """A request that reached an engine that has died: 503, like readiness says."""
+        return service_unavailable(f"model failed: {exc}", 30)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import platform
 from typing import Any
 
@@ -29,6 +31,7 @@ async def ready(request: Request) -> JSONResponse:
     state = request.app.state.service
     if state.phase == "ready" and state.model is not None and state.model.engine.ready:
         return JSONResponse({"object": "health.response", "message": "ready"})
+    # Not ready: loading, stopping, or failed (the engine's own failure, when it died, says why).
     err = state.not_ready_error()
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), 503, headers=err.headers)
 
@@ -53,7 +56,7 @@ async def metadata(request: Request) -> dict[str, Any]:
             {
                 "modelUrl": info.source if info else None,
                 "shortName": state.served_name,
-                "architecture": info.architecture if info else None,
+                "architecture": info.engine.architecture if info else None,
                 "maxModelLen": info.max_model_len if info else None,
             }
         ],
@@ -64,12 +67,9 @@ async def metadata(request: Request) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    import fastapi
-    import torch
-
-    return {
-        "service": service.__version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "fastapi": fastapi.__version__,
-    }
+    """Versions of what serves, read from package metadata (importing an engine here is not ours)."""
+    versions = {"service": service.__version__, "python": platform.python_version()}
+    for package in ("torch", "fastapi", "tensorrt_llm"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
+    return versions

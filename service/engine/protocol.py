@@ -7,9 +7,12 @@ know nothing of HTTP.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+from service.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -74,12 +77,20 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() when the API accepted it
+    # Whatever besides the tokens changes their keys/values (a LoRA adapter): requests with
+    # different salts never share prefix-cache blocks. None until adapters land.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a request produced since its previous output (a delta), plus running totals."""
+    """What a request produced since its previous output (a delta), plus running totals.
+
+    A finished output has exactly one of `finish_reason` (stop: a stop token or string; length:
+    max_tokens or the context; abort: cancelled, by the client leaving or the server shutting
+    down) and `error` (the engine failed the request; the message says why).
+    """
 
     request_id: str
     text: str
@@ -92,13 +103,91 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
     num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    time: float = 0.0  # time.monotonic() when the engine produced this delta
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
-@dataclass
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative observations: counts[i] fell at or below bounds[i] (and above bounds[i-1]);
+    the last count is everything above the last bound."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(bounds, (0,) * (len(bounds) + 1), 0.0)
+
+    def observe(self, value: float) -> Histogram:
+        """A new histogram with one more observation (snapshots stay immutable)."""
+        index = bisect.bisect_left(self.bounds, value)
+        counts = list(self.counts)
+        counts[index] += 1
+        return Histogram(self.bounds, tuple(counts), self.total + value)
+
+
+# Bounds of the step histograms every engine reports (tokens as vLLM's vllm:iteration_tokens_total).
+STEP_TOKEN_BOUNDS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_SEQUENCE_BOUNDS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_SECONDS_BOUNDS: tuple[float, ...] = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class EngineStats:
+    """A snapshot of the engine; counters are cumulative since start, so readers take deltas."""
+
     num_running: int = 0
     num_waiting: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_tokens: Histogram = field(default_factory=lambda: Histogram.empty(STEP_TOKEN_BOUNDS))
+    step_sequences: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SEQUENCE_BOUNDS))
+    step_seconds: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SECONDS_BOUNDS))
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use, 0-1."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class EngineFeatures:
+    """Request features an engine implements; the API refuses the others with a 400."""
+
+    logprobs: bool = True
+    prompt_logprobs: bool = True
+    prefix_caching: bool = True
+    lora: bool = False
+    guided_decoding: bool = False
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine is and runs, as /v1/models, /v1/metadata and the logs report it."""
+
+    engine: str  # the registry key, e.g. "torch"
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    weight_precision: str  # the profile precision tag the weights run in (bf16, fp8, ...)
+    precision_mode: Literal["native", "emulated"]  # emulated: stored compactly, computed upcast
+    kv_cache_dtype: str  # as reported in metrics (bfloat16, int8, fp8_e4m3, ...)
+    kv_block_size: int
+    kv_num_blocks: int
+    device: str  # cpu, cuda:0, ...
+    tensor_parallel_size: int
+    features: EngineFeatures = EngineFeatures()
 
 
 class EngineDeadError(RuntimeError):
@@ -109,13 +198,20 @@ class Engine(Protocol):
     """An inference engine. `generate` may be called from the event loop thread only."""
 
     @property
-    def ready(self) -> bool: ...
+    def info(self) -> EngineInfo: ...
 
     @property
-    def max_model_len(self) -> int: ...
+    def ready(self) -> bool:
+        """Started and serving: False before `start` returns, after `stop`, and once dead."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine died, or None while it lives."""
+        ...
 
     async def start(self) -> None:
-        """Load, warm up, and begin serving; returns once ready."""
+        """Warm up and begin serving; returns once ready."""
 
     async def stop(self) -> None:
         """Abort what is in flight and release resources."""
@@ -123,10 +219,22 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request; iterate its outputs until one with `finished=True`.
 
-        Closing the iterator early (client gone) aborts the request.
+        Raises EngineDeadError (on the first iteration) when the engine is dead. Closing the
+        iterator early (client gone) aborts the request.
         """
         ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """The latest snapshot; cheap, callable from any thread."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """What the registry hands the entry point: the engine, what it is, and its tokenizer."""
+
+    engine: Engine
+    info: EngineInfo
+    tokenizer: Tokenizer

@@ -19,9 +19,9 @@ from safetensors import safe_open
 
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM
+from service.model_store import PICKLE_SUFFIXES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def load_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,7 +48,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
         raise UnsupportedModelError(
             f"{path} holds only pickle checkpoint(s) ({', '.join(pickles)}); they can execute arbitrary code "

@@ -19,8 +19,17 @@ from dataclasses import dataclass
 
 BlockHash = bytes
 
-# The root of every hash chain; a different value per model would also be fine.
+# The root of every unsalted hash chain; a different value per model would also be fine.
 ROOT_HASH: BlockHash = b"\x00" * 16
+
+
+def root_hash(salt: str | None) -> BlockHash:
+    """Where a request's hash chain starts: ROOT_HASH, or a root of its own for a salt (whatever
+    besides the tokens changes the keys and values, such as a LoRA adapter), so requests with
+    different salts never share a block."""
+    if salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"salt\x00" + salt.encode(), digest_size=16).digest()
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

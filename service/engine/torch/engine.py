@@ -4,11 +4,18 @@ Step loop (all on the engine thread):
   1. apply new requests and aborts from the inbox (block only when there is nothing to do), so
      an abort frees its blocks before the next step is scheduled;
   2. the scheduler picks this step's work: decode tokens of running requests and chunks of
-     waiting prompts, under one token budget, with blocks from the paged KV cache;
-  3. the model runs once over the whole mixed batch;
-  4. requests whose chunk completed sample a token; output processing detokenizes, checks stop
-     conditions and posts each request's delta to its asyncio queue; finished requests free
-     their blocks at once.
+     waiting prompts, under one token budget, with blocks from the paged KV cache; that decision
+     becomes a plain StepPlan;
+  3. the model runner runs the plan: one forward pass over the mixed batch, then sampling;
+  4. output processing detokenizes, checks stop conditions and posts each request's delta to
+     its asyncio queue; finished requests free their blocks at once; a stats snapshot is
+     published for metering.
+
+Endings: every request ends with exactly one finished output: finish_reason stop or length, or
+abort (the client left, or the server is stopping), or an `error` when the engine failed it.
+If the step loop itself dies, the engine is dead: every request in flight and every request
+still in the inbox ends with an error at once, `ready` turns False, `failure` says why, later
+`generate` calls raise EngineDeadError, and `on_fatal` is called so the process can exit.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +36,7 @@ from service.engine.models.llama import LlamaForCausalLM
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     EngineDeadError,
+    EngineInfo,
     EngineStats,
     FinishReason,
     GenerationRequest,
@@ -39,12 +47,12 @@ from service.engine.protocol import (
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
-from service.engine.torch.model_runner import ModelRunner, StepLogits
+from service.engine.torch.model_runner import ModelRunner, StepResult
 from service.engine.torch.request import Request
-from service.engine.torch.sampler import SamplingRow, make_generator, sample, token_logprob
-from service.engine.torch.scheduler import Scheduler, SchedulerConfig
-from service.metrics import Metrics
+from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from service.engine.torch.step_plan import NewRequest, ScheduledSequence, StepPlan, build_plan
 from service.tokenizer import Tokenizer
+from service.util import one_line
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,9 @@ IDLE_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class TorchEngineConfig:
+    """The torch engine's resolved settings: device, dtype and KV pool size are decided."""
+
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -69,12 +79,11 @@ class _Live:
     """Engine-thread state of one request beside its scheduler state."""
 
     request: Request
+    sink: Sink
     output: OutputProcessor
-    generator: torch.Generator
-    end_token_ids: frozenset[int]
-    last_token_time: float = 0.0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    introduced: bool = False  # the runner has been sent its NewRequest
 
 
 @dataclass(frozen=True)
@@ -94,15 +103,15 @@ class TorchEngine:
         model: LlamaForCausalLM,
         model_config: ModelConfig,
         tokenizer: Tokenizer,
-        config: EngineConfig,
-        metrics: Metrics | None = None,
+        config: TorchEngineConfig,
+        info: EngineInfo,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
-        self.metrics = metrics
+        self._info = info
         self.on_fatal = on_fatal
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.kv_spec.block_size)
@@ -110,25 +119,30 @@ class TorchEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
         )
-        self.runner = ModelRunner(model, self.kv_pool, self.kv, config.device)
+        self.runner = ModelRunner(model, self.kv_pool, config.device)
         self._live: dict[str, _Live] = {}
+        self._ended: list[str] = []  # requests whose runner state the next plan releases
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._inbox_lock = threading.Lock()  # orders submissions against the engine dying
         self._thread: threading.Thread | None = None
         self._ready = False
         self._stopping = False
-        self._fatal: BaseException | None = None
-        if metrics is not None:
-            metrics.set_cache_config(config.kv_spec.block_size, config.num_blocks, config.kv_spec.name)
+        self._failure: str | None = None
+        self._stats = EngineStats(kv_blocks_total=config.num_blocks)
 
     # --- Engine protocol (event-loop side) ------------------------------------------------------
 
     @property
-    def ready(self) -> bool:
-        return self._ready and self._fatal is None
+    def info(self) -> EngineInfo:
+        return self._info
 
     @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
+    def ready(self) -> bool:
+        return self._ready and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
 
     async def start(self) -> None:
         await asyncio.to_thread(self._warm_up)
@@ -143,8 +157,6 @@ class TorchEngine:
             await asyncio.to_thread(self._thread.join, 30)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        if self._fatal is not None:
-            raise EngineDeadError(f"engine failed: {self._fatal}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -153,7 +165,10 @@ class TorchEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        self._inbox.put(_Submit(request, sink))
+        with self._inbox_lock:
+            if self._failure is not None:
+                raise EngineDeadError(self._failure)
+            self._inbox.put(_Submit(request, sink))
         finished = False
         try:
             while not finished:
@@ -168,11 +183,7 @@ class TorchEngine:
         self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            extra={"kv_cache_usage": self.pool.usage, "num_free_blocks": float(self.pool.num_free)},
-        )
+        return self._stats
 
     # --- Engine thread ----------------------------------------------------------------------------
 
@@ -187,12 +198,25 @@ class TorchEngine:
                     self._step()
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine step loop failed")
-            self._fatal = exc  # readiness turns false first
-            if self.on_fatal is not None:
-                self.on_fatal(exc)
-            self._fail_all(f"engine failure: {exc.__class__.__name__}: {exc}")
+            self._die(exc)
             return
-        self._fail_all("server shutting down")
+        self._end_all()
+
+    def _die(self, exc: BaseException) -> None:
+        message = one_line(exc, with_type=True)
+        with self._inbox_lock:  # nothing is submitted after this, and nothing before is stranded
+            self._failure = message  # readiness turns false first
+            stranded: list[_Submit] = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = self._inbox.get_nowait()
+                    if isinstance(item, _Submit):
+                        stranded.append(item)
+        self._end_all(error=f"engine failure: {message}")
+        for item in stranded:
+            self._refuse(item, f"engine failure: {message}")
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -215,106 +239,105 @@ class TorchEngine:
             except Exception as exc:  # a bad request must fail alone, never the step loop
                 log.warning("request %s refused at admission: %s", item.request.request_id, exc)
                 self._live.pop(item.request.request_id, None)
-                gen = item.request
-                message = f"request could not be admitted: {exc}"
-                item.sink(
-                    RequestOutput(
-                        gen.request_id, "", [], len(gen.prompt_token_ids), 0, True, "abort", message
-                    )
-                )
+                self._refuse(item, f"request could not be admitted: {one_line(exc)}")
         else:
             request = self.scheduler.abort(item.request_id)
             live = self._live.pop(item.request_id, None)
-            if request is not None and live is not None:
-                self._emit(live, "", [], finish_reason="abort")
+            if live is not None:
+                self._ended.append(item.request_id)
+                if request is not None:
+                    self._emit(live, "", [], finish_reason="abort")
             self._publish_stats()
+
+    def _refuse(self, item: _Submit, message: str) -> None:
+        gen = item.request
+        num_prompt = len(gen.prompt_token_ids)
+        item.sink(
+            RequestOutput(gen.request_id, "", [], num_prompt, 0, True, error=message, time=time.monotonic())
+        )
 
     def _admit(self, item: _Submit) -> None:
         gen = item.request
         num_prompt = len(gen.prompt_token_ids)
         if not 0 < num_prompt < self.config.max_model_len:
-            error = f"prompt of {num_prompt} tokens does not fit the context of {self.config.max_model_len}"
-            item.sink(RequestOutput(gen.request_id, "", [], num_prompt, 0, True, "abort", error))
-            return
-        if gen.request_id in self._live:
-            item.sink(
-                RequestOutput(gen.request_id, "", [], num_prompt, 0, True, "abort", "duplicate request id")
+            raise ValueError(
+                f"a prompt of {num_prompt} tokens does not fit the context of {self.config.max_model_len}"
             )
-            return
-        params = gen.sampling
-        output = OutputProcessor(self.tokenizer, params, num_prompt, self.config.max_model_len)
-        request = Request.from_generation(gen, item.sink)
+        if gen.request_id in self._live:
+            raise ValueError(f"duplicate request id {gen.request_id!r}")
+        output = OutputProcessor(self.tokenizer, gen.sampling, num_prompt, self.config.max_model_len)
+        request = Request.from_generation(gen)
         self._live[gen.request_id] = _Live(
             request=request,
+            sink=item.sink,
             output=output,
-            generator=make_generator(params, self.config.device),
-            end_token_ids=output.stop_token_ids,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprobs=[None] if gen.sampling.prompt_logprobs is not None else None,
         )
         self.scheduler.add(request)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        if scheduled.preempted and self.metrics is not None:
-            self.metrics.observe_preemptions(len(scheduled.preempted))
         if not scheduled.chunks:
+            self._publish_stats()
             return
-        step = self.runner.execute(scheduled.chunks)
-        self._collect_prompt_logprobs(step)
+        plan = self._plan(scheduled)
+        result = self.runner.execute(plan)
         self.scheduler.step_done(scheduled)
-        self._sample_and_emit(step)
-        self._publish_stats()
+        self._apply(plan, result)
+        self._publish_stats(plan, time.perf_counter() - started)
 
-    def _collect_prompt_logprobs(self, step: StepLogits) -> None:
-        for chunk, (first, _) in zip(step.chunks, step.rows, strict=True):
-            live = self._live[chunk.request.request_id]
-            if live.prompt_logprobs is None:
-                continue
+    def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
+        sequences: list[ScheduledSequence] = []
+        new_requests: list[NewRequest] = []
+        for chunk in scheduled.chunks:
             request = chunk.request
-            start = chunk.start
-            # Row j predicts token start + j + 1; keep those still inside the prompt.
-            for j in range(chunk.num_tokens):
-                target = start + j + 1
-                if target >= request.num_prompt_tokens or target < len(live.prompt_logprobs):
-                    continue
-                logprobs = torch.log_softmax(step.logits[first + j], dim=-1)
-                top_n = request.sampling.prompt_logprobs or 0
-                live.prompt_logprobs.append(token_logprob(logprobs, request.token_ids[target], top_n))
-
-    def _sample_and_emit(self, step: StepLogits) -> None:
-        completing = [(c, end - 1) for c, (_, end) in zip(step.chunks, step.rows, strict=True) if c.completes]
-        if not completing:
-            return
-        lives = [self._live[c.request.request_id] for c, _ in completing]
-        index = torch.tensor([row for _, row in completing], dtype=torch.long, device=step.logits.device)
-        logits = step.logits.index_select(0, index)  # [B, V]
-        rows = [
-            SamplingRow(
-                params=live.request.sampling,
-                generator=live.generator,
-                token_ids=live.request.token_ids,
-                num_prompt_tokens=live.request.num_prompt_tokens,
-                end_token_ids=live.end_token_ids,
+            live = self._live[request.request_id]
+            if not live.introduced:
+                live.introduced = True
+                new_requests.append(
+                    NewRequest(
+                        request_id=request.request_id,
+                        prompt_token_ids=tuple(request.token_ids[: request.num_prompt_tokens]),
+                        sampling=request.sampling,
+                        end_token_ids=tuple(sorted(live.output.stop_token_ids)),
+                    )
+                )
+            sequences.append(
+                ScheduledSequence(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids,
+                    start=chunk.start,
+                    num_tokens=chunk.num_tokens,
+                    block_table=self.kv.block_table(request),
+                    sample=chunk.completes,
+                    prompt_logits=request.sampling.prompt_logprobs is not None
+                    and chunk.start < request.num_prompt_tokens,
+                )
             )
-            for live in lives
-        ]
-        sampled = sample(logits, rows)
+        ended, self._ended = tuple(self._ended), []
+        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended)
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        for request_id, entries in result.prompt_logprobs.items():
+            live = self._live.get(request_id)
+            if live is not None and live.prompt_logprobs is not None:
+                live.prompt_logprobs.extend(entries)
+        sampling_ids = [rid for rid, samples in zip(plan.request_ids, plan.sample, strict=True) if samples]
         now = time.monotonic()
-        for live, token in zip(lives, sampled, strict=True):
+        for request_id, token in zip(sampling_ids, result.sampled, strict=True):
+            live = self._live.get(request_id)
+            if live is None:
+                continue  # aborted while the step ran
             request = live.request
             request.token_ids.append(token.token_id)
-            first = request.num_generated == 1
-            if self.metrics is not None:
-                if first:
-                    self.metrics.observe_prefill(request.num_prompt_tokens)
-                previous = request.arrival_time if first else live.last_token_time
-                self.metrics.observe_token(first, now - previous)
-            live.last_token_time = now
             text, reason = live.output.process(token.token_id)
             if reason is not None:
                 self.scheduler.finish(request)
-                del self._live[request.request_id]
-            self._emit(live, text, [token.token_id], reason, [token.logprob] if token.logprob else None)
+                del self._live[request_id]
+                self._ended.append(request_id)
+            logprobs = [token.logprob] if token.logprob else None
+            self._emit(live, text, [token.token_id], reason, logprobs, now)
 
     def _emit(
         self,
@@ -323,19 +346,13 @@ class TorchEngine:
         token_ids: list[int],
         finish_reason: FinishReason | None,
         logprobs: list[TokenLogprob] | None = None,
+        now: float | None = None,
     ) -> None:
         request = live.request
         prompt_logprobs = None
         if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
             prompt_logprobs, live.prompt_logprobs_sent = live.prompt_logprobs, True
-        if finish_reason is not None and self.metrics is not None:
-            self.metrics.observe_finished(
-                finish_reason,
-                time.monotonic() - request.arrival_time,
-                request.num_prompt_tokens,
-                request.num_generated,
-            )
-        request.sink(
+        live.sink(
             RequestOutput(
                 request_id=request.request_id,
                 text=text,
@@ -347,14 +364,17 @@ class TorchEngine:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
+                time=time.monotonic() if now is None else now,
             )
         )
 
-    def _fail_all(self, message: str) -> None:
+    def _end_all(self, error: str | None = None) -> None:
+        """End every request in flight: failed with `error`, else aborted (the server is stopping)."""
+        now = time.monotonic()
         for live in list(self._live.values()):
             self.scheduler.abort(live.request.request_id)
             request = live.request
-            request.sink(
+            live.sink(
                 RequestOutput(
                     request_id=request.request_id,
                     text="",
@@ -362,44 +382,54 @@ class TorchEngine:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_generated_tokens=request.num_generated,
                     finished=True,
-                    finish_reason="abort",
-                    error=message,
+                    finish_reason="abort" if error is None else None,
+                    error=error,
+                    num_cached_tokens=request.num_cached_tokens,
+                    time=now,
                 )
             )
         self._live.clear()
         self._publish_stats()
 
-    def _publish_stats(self) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.set_engine_state(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_usage=self.pool.usage,
+    def _publish_stats(self, plan: StepPlan | None = None, seconds: float = 0.0) -> None:
+        """A new immutable snapshot for metering (readers on other threads see one or the other)."""
+        stats = self._stats
+        if plan is not None:
+            stats = replace(
+                stats,
+                num_steps=stats.num_steps + 1,
+                step_tokens=stats.step_tokens.observe(plan.num_tokens),
+                step_sequences=stats.step_sequences.observe(plan.num_sequences),
+                step_seconds=stats.step_seconds.observe(seconds),
+            )
+        self._stats = replace(
+            stats,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_blocks - self.pool.num_free,
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # --- Start-up -----------------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Run a prefill and decode steps through the real path; metrics and the cache forget it."""
-        metrics, self.metrics = self.metrics, None
-        try:
-            with torch.inference_mode():
-                prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog", True)
-                params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-                done = threading.Event()
+        """Run a prefill and decode steps through the real path; stats and the cache forget it."""
+        with torch.inference_mode():
+            prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog", True)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            done = threading.Event()
 
-                def sink(out: RequestOutput) -> None:
-                    if out.finished:
-                        done.set()
+            def sink(out: RequestOutput) -> None:
+                if out.finished:
+                    done.set()
 
-                self._admit(_Submit(GenerationRequest("warm-up", prompt, params, time.monotonic()), sink))
-                while not done.is_set():
-                    self._step()
-                self.pool.reset_cache()
-                self.kv.prefix_queries = self.kv.prefix_hits = 0
-        finally:
-            self.metrics = metrics
+            self._admit(_Submit(GenerationRequest("warm-up", prompt, params, time.monotonic()), sink))
+            while not done.is_set():
+                self._step()
+            self.pool.reset_cache()
+            self.kv.prefix_queries = self.kv.prefix_hits = 0
+            self.scheduler.num_preemptions = 0
+        self._stats = EngineStats(kv_blocks_total=self.config.num_blocks)
         self._publish_stats()

@@ -15,11 +15,10 @@ converted, on the way in and out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
+from service.engine.config import KVCacheDType
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _SCALE_DTYPE = torch.float16

@@ -1,4 +1,4 @@
-"""Build a ready-to-start TorchEngine from a resolved model source."""
+"""The torch engine's entry in the registry: an EngineConfig in, a ready-to-start engine out."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from collections.abc import Callable
 
 import torch
 
-from service.config import Settings
+from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
 from service.engine.models.config import ModelConfig
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.loader import build_model, load_gguf, load_safetensors_dir
-from service.engine.torch.engine import EngineConfig, TorchEngine
+from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
+from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
-from service.metrics import Metrics
-from service.model_store import ModelSource
 from service.tokenizer import Tokenizer
+from service.util import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -27,45 +27,38 @@ PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32:
 DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
 
 
-class KVCacheTooSmallError(ValueError):
+class KVCacheTooSmallError(UnsupportedConfigError):
     """The configured KV cache cannot hold even one full-context sequence."""
 
 
-def load_torch_engine(
-    source: ModelSource,
-    settings: Settings,
-    metrics: Metrics | None = None,
-    on_fatal: Callable[[BaseException], None] | None = None,
+def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> LoadedEngine:
+    """The registry's hook: load weights and tokenizer (blocking: call from a worker thread)."""
+    engine = build_engine(config, on_fatal)
+    return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer)
+
+
+def build_engine(
+    config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
 ) -> TorchEngine:
-    """Load weights and tokenizer (blocking: call from a worker thread, not the event loop)."""
-    device = choose_device(settings.device)
-    dtype = choose_dtype(settings.dtype, device)
+    device = choose_device(config.device)
+    dtype = choose_dtype(config.dtype, device)
     if device.type == "cpu":
-        torch.set_num_threads(settings.num_threads or available_cpu_count())
+        torch.set_num_threads(config.num_threads or available_cpu_count())
     started = time.monotonic()
-    if source.kind == "gguf":
-        model_config, weights = load_gguf(source.path)
-        tokenizer = Tokenizer.from_gguf(source.path)
+    if config.model_format == "gguf":
+        model_config, weights = load_gguf(config.model_path)
+        tokenizer = Tokenizer.from_gguf(config.model_path)
     else:
-        model_config = ModelConfig.from_hf_config(json.loads((source.path / "config.json").read_text()))
-        weights = load_safetensors_dir(source.path)
-        tokenizer = Tokenizer.from_directory(source.path)
+        model_config = ModelConfig.from_hf_config(json.loads((config.model_path / "config.json").read_text()))
+        weights = load_safetensors_dir(config.model_path)
+        tokenizer = Tokenizer.from_directory(config.model_path)
+    max_model_len = context_length(model_config, config.max_model_len)
     model = build_model(model_config, weights, dtype, device)
     if prepacking_supported(dtype, device):
         model.prepack_for_cpu()
-    max_model_len = model_config.max_position_embeddings
-    if settings.max_model_len is not None:
-        if settings.max_model_len > max_model_len:
-            log.warning(
-                "NIM_MAX_MODEL_LEN=%d exceeds the model's context of %d; using %d",
-                settings.max_model_len,
-                max_model_len,
-                max_model_len,
-            )
-        max_model_len = min(settings.max_model_len, max_model_len)
     log.info(
         "loaded %s (%s, %d layers) on %s in %s, context %d, in %.1f s",
-        source.path,
+        config.model_path,
         model_config.architecture,
         model_config.num_layers,
         device,
@@ -77,37 +70,90 @@ def load_torch_engine(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
-        block_size=settings.kv_block_size,
-        cache_dtype=settings.kv_cache_dtype,
+        block_size=config.kv_cache.block_size,
+        cache_dtype=config.kv_cache.dtype,
         model_dtype=dtype,
     )
-    num_blocks = size_kv_cache(kv_spec, settings, device, max_model_len)
-    config = EngineConfig(
+    num_blocks = size_kv_cache(kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, max_model_len)
+    engine_config = TorchEngineConfig(
         max_model_len=max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         num_blocks=num_blocks,
         kv_spec=kv_spec,
-        enable_prefix_caching=settings.enable_kv_cache_reuse,
+        enable_prefix_caching=config.kv_cache.enable_prefix_caching,
         device=device,
         dtype=dtype,
     )
-    return TorchEngine(model, model_config, tokenizer, config, metrics=metrics, on_fatal=on_fatal)
+    info = EngineInfo(
+        engine="torch",
+        architecture=model_config.architecture,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        weight_precision=PRECISION_NAMES[dtype],
+        precision_mode="native",
+        kv_cache_dtype=kv_spec.name,
+        kv_block_size=kv_spec.block_size,
+        kv_num_blocks=num_blocks,
+        device=str(device),
+        tensor_parallel_size=1,
+        features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching),
+    )
+    return TorchEngine(model, model_config, tokenizer, engine_config, info, on_fatal=on_fatal)
 
 
-def size_kv_cache(spec: KVCacheSpec, settings: Settings, device: torch.device, max_model_len: int) -> int:
+def context_length(model: ModelConfig, requested: int | None) -> int:
+    """The context served: the model's own (or NIM_MAX_MODEL_LEN when shorter), never past what
+    its attention computes exactly.
+
+    Sliding-window models (Mistral 7B v0.1: each token sees the last 4,096) are served with full
+    attention, which is exact while the context fits the window: the default context is capped
+    at the window, and a longer NIM_MAX_MODEL_LEN is refused.
+    """
+    context = model.max_position_embeddings
+    if requested is not None:
+        if requested > context:
+            log.warning(
+                "NIM_MAX_MODEL_LEN=%d exceeds the model's context of %d; using %d",
+                requested,
+                context,
+                context,
+            )
+        context = min(requested, context)
+    window = model.sliding_window
+    if window is not None and context > window:
+        if requested is not None:
+            raise UnsupportedConfigError(
+                f"NIM_MAX_MODEL_LEN={requested}: this model uses sliding-window attention over "
+                f"{window} tokens, which this engine computes exactly only for contexts up to {window}; "
+                f"set NIM_MAX_MODEL_LEN<={window}"
+            )
+        log.warning(
+            "this model uses sliding-window attention over %d tokens; serving a context of %d "
+            "(full attention is exact within the window) instead of %d",
+            window,
+            window,
+            context,
+        )
+        context = window
+    return context
+
+
+def size_kv_cache(
+    spec: KVCacheSpec, kv: KVCacheConfig, max_num_seqs: int, device: torch.device, max_model_len: int
+) -> int:
     """Number of KV blocks: a share of free memory, capped by an explicit token count and by
     what max_num_seqs full-context sequences could ever use. Logged, since it bounds concurrency.
     """
-    fraction = settings.kv_cache_fraction
+    fraction = kv.memory_fraction
     if fraction is None:
         fraction = DEFAULT_KV_FRACTION[device.type]
     budget_tokens = int(free_memory_bytes(device) * fraction) // spec.bytes_per_token()
-    caps = [budget_tokens, settings.max_num_seqs * max_model_len]
-    if settings.kv_cache_max_tokens is not None:
-        caps.append(settings.kv_cache_max_tokens)
+    caps = [budget_tokens, max_num_seqs * max_model_len]
+    if kv.max_tokens is not None:
+        caps.append(kv.max_tokens)
     num_blocks = min(caps) // spec.block_size
-    max_len_blocks = -(-max_model_len // spec.block_size)
+    max_len_blocks = cdiv(max_model_len, spec.block_size)
     if num_blocks < max_len_blocks:
         raise KVCacheTooSmallError(
             f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than one {max_model_len}-token "

@@ -1,14 +1,18 @@
-"""Turn a scheduled step into tensors, run the model once, and return the logits that matter."""
+"""Run one StepPlan: tensors in, one forward pass over the mixed batch, tokens sampled out.
+
+The runner owns what lasts beyond a step but is not scheduling: each live request's sampling
+state (its random generator, the tokens penalties look at) and the model. Everything it is told
+arrives in the plan, so it could run in another process.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from service.engine.models.llama import LlamaForCausalLM
-from service.engine.torch.kv_cache_manager import KVCacheManager
+from service.engine.protocol import TokenLogprob
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import (
     AttentionMetadata,
@@ -17,113 +21,157 @@ from service.engine.torch.paged_attention import (
     decode_mask,
     prefill_mask,
 )
-from service.engine.torch.scheduler import ScheduledChunk
+from service.engine.torch.sampler import SampledToken, SamplingRow, make_generator, sample, token_logprob
+from service.engine.torch.step_plan import NewRequest, StepPlan
+from service.util import cdiv
+
+
+@dataclass
+class _RowState:
+    """A request's sampling state, kept across steps (and across preemptions) until it ends."""
+
+    new: NewRequest
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)  # prompt + sampled so far
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned
+
+    def row(self) -> SamplingRow:
+        return SamplingRow(
+            params=self.new.sampling,
+            generator=self.generator,
+            token_ids=self.token_ids,
+            num_prompt_tokens=len(self.new.prompt_token_ids),
+            end_token_ids=frozenset(self.new.end_token_ids),
+        )
 
 
 @dataclass(frozen=True)
-class StepLogits:
-    """Logits of the rows that need them, and which rows belong to which chunk.
+class StepResult:
+    """`sampled[i]` is the token of the i-th sequence whose plan said `sample` (plan order);
+    `prompt_logprobs` maps request ids to the prompt logprobs this step computed, in order."""
 
-    `rows[i]` is the [start, end) range of `logits` for `chunks[i]`: empty when the chunk neither
-    completes its request nor wants prompt logprobs; one row (its last token) when it completes;
-    every token's row when the request asked for prompt logprobs.
-    """
-
-    chunks: list[ScheduledChunk]
-    logits: torch.Tensor  # [R, V] float32
-    rows: list[tuple[int, int]]
+    sampled: list[SampledToken]
+    prompt_logprobs: dict[str, list[TokenLogprob]]
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, kv: KVCacheManager, device: torch.device
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
         self.model = model
         self.pool = pool
-        self.kv = kv
         self.device = device
-        self.block_size = kv.block_size
+        self.block_size = pool.spec.block_size
         config = model.config
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self._rows: dict[str, _RowState] = {}
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> StepLogits:
-        # Decodes (one token each) first, so the attention backend handles them as one batch.
-        ordered = sorted(chunks, key=lambda c: c.num_tokens != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        for chunk in ordered:
-            request = chunk.request
-            start = chunk.start
-            table = self.kv.block_table(request)
-            tables.append(table)
-            for pos in range(start, start + chunk.num_tokens):
-                positions.append(pos)
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            input_ids.extend(request.token_ids[start : start + chunk.num_tokens])
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._rows)
 
-        meta = self._metadata(ordered, tables, slots)
-        attention = PagedAttention(self.pool, meta, self.num_heads, self.head_dim)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(ids, pos, attention)  # [T, H]
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self._rows.pop(request_id, None)
+        for new in plan.new_requests:
+            self._rows[new.request_id] = _RowState(
+                new, make_generator(new.sampling, self.device), list(new.prompt_token_ids)
+            )
+        if not plan.request_ids:
+            return StepResult([], {})
+        hidden = self._forward(plan)  # [T, H]
 
+        # The rows whose logits are needed: every token of a prompt-logprobs chunk, else the
+        # last token of each sequence that samples.
         wanted: list[int] = []
-        rows: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []
         offset = 0
-        for chunk in ordered:
+        for n, samples, prompt in zip(plan.query_lens, plan.sample, plan.prompt_logits, strict=True):
             first = len(wanted)
-            if chunk.request.sampling.prompt_logprobs is not None and self._in_prompt(chunk):
-                wanted.extend(range(offset, offset + chunk.num_tokens))
-            elif chunk.completes:
-                wanted.append(offset + chunk.num_tokens - 1)
-            rows.append((first, len(wanted)))
-            offset += chunk.num_tokens
+            if prompt:
+                wanted.extend(range(offset, offset + n))
+            elif samples:
+                wanted.append(offset + n - 1)
+            spans.append((first, len(wanted)))
+            offset += n
         index = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [R, V]
-        return StepLogits(list(ordered), logits, rows)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [R, V] float32
 
-    @staticmethod
-    def _in_prompt(chunk: ScheduledChunk) -> bool:
-        return chunk.start < chunk.request.num_prompt_tokens
+        prompt_logprobs = self._prompt_logprobs(plan, logits, spans)
+        sampling = [i for i, s in enumerate(plan.sample) if s]
+        if not sampling:
+            return StepResult([], prompt_logprobs)
+        rows = [spans[i][1] - 1 for i in sampling]
+        states = [self._rows[plan.request_ids[i]] for i in sampling]
+        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        sampled = sample(picked, [state.row() for state in states])
+        for state, token in zip(states, sampled, strict=True):
+            state.token_ids.append(token.token_id)
+        return StepResult(sampled, prompt_logprobs)
 
-    def _metadata(
-        self, ordered: list[ScheduledChunk], tables: list[list[int]], slots: list[int]
-    ) -> AttentionMetadata:
+    def _prompt_logprobs(
+        self, plan: StepPlan, logits: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> dict[str, list[TokenLogprob]]:
+        """Row j of a chunk starting at position p predicts token p + j + 1: keep those in the prompt."""
+        found: dict[str, list[TokenLogprob]] = {}
+        for i, wants in enumerate(plan.prompt_logits):
+            if not wants:
+                continue
+            state = self._rows[plan.request_ids[i]]
+            prompt = state.new.prompt_token_ids
+            top_n = state.new.sampling.prompt_logprobs or 0
+            start = plan.context_lens[i] - plan.query_lens[i]
+            entries = found.setdefault(plan.request_ids[i], [])
+            first, _ = spans[i]
+            for j in range(plan.query_lens[i]):
+                target = start + j + 1
+                # Already returned (a recomputation after preemption) or past the prompt: skip.
+                if target >= len(prompt) or target <= state.num_prompt_logprobs:
+                    continue
+                logprobs = torch.log_softmax(logits[first + j], dim=-1)
+                entries.append(token_logprob(logprobs, prompt[target], top_n))
+                state.num_prompt_logprobs = target
+        return found
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
         device = self.device
-        num_decodes = sum(1 for c in ordered if c.num_tokens == 1)
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [T]
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [T]
+        attention = PagedAttention(self.pool, self._metadata(plan), self.num_heads, self.head_dim)
+        return self.model(ids, pos, attention)  # [T, H]
+
+    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        device = self.device
+        num_decodes = plan.num_decodes
         decode_blocks = mask = None
         if num_decodes:
-            context_lens = [c.start + 1 for c in ordered[:num_decodes]]
-            width = -(-max(context_lens) // self.block_size)
-            decode_blocks = self._blocks(tables[:num_decodes], width)  # [B * N]
+            context_lens = plan.context_lens[:num_decodes]
+            width = cdiv(max(context_lens), self.block_size)
+            decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
             mask = decode_mask(lens, width * self.block_size)
         prefills = []
         query_start = num_decodes
-        for chunk, table in zip(ordered[num_decodes:], tables[num_decodes:], strict=True):
-            context_len = chunk.start + chunk.num_tokens
-            width = -(-context_len // self.block_size)
+        for i in range(num_decodes, plan.num_sequences):
+            num_query, context_len = plan.query_lens[i], plan.context_lens[i]
+            width = cdiv(context_len, self.block_size)
             prefills.append(
                 PrefillChunk(
                     query_start=query_start,
-                    num_query=chunk.num_tokens,
+                    num_query=num_query,
                     context_len=context_len,
-                    block_ids=self._blocks([table], width),
-                    mask=prefill_mask(chunk.start, chunk.num_tokens, width * self.block_size, device),
+                    block_ids=self._blocks(plan.block_tables[i : i + 1], width),
+                    mask=prefill_mask(context_len - num_query, num_query, width * self.block_size, device),
                 )
             )
-            query_start += chunk.num_tokens
+            query_start += num_query
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=device),
             num_decodes=num_decodes,
             decode_block_ids=decode_blocks,
             decode_mask=mask,
             prefills=tuple(prefills),
         )
 
-    def _blocks(self, tables: list[list[int]], width: int) -> torch.Tensor:
+    def _blocks(self, tables: tuple[tuple[int, ...], ...], width: int) -> torch.Tensor:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""
-        padded = [b for t in tables for b in (t[:width] + [0] * (width - min(len(t), width)))]
+        padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
         return self.pool.head_block_ids(torch.tensor(padded, dtype=torch.long, device=self.device))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
-from service.engine.torch.block_pool import ROOT_HASH, BlockHash, hash_block
+from service.engine.protocol import GenerationRequest, SamplingParams
+from service.engine.torch.block_pool import BlockHash, hash_block, root_hash
 
 
 class RequestStatus(enum.Enum):
@@ -30,7 +29,7 @@ class Request:
     num_prompt_tokens: int
     sampling: SamplingParams
     arrival_time: float
-    sink: Callable[[RequestOutput], None] = field(repr=False)
+    cache_salt: str | None = None  # what besides the tokens changes their KV (an adapter)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -38,14 +37,14 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_generation(cls, request: GenerationRequest, sink: Callable[[RequestOutput], None]) -> Request:
+    def from_generation(cls, request: GenerationRequest) -> Request:
         return cls(
             request_id=request.request_id,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
             sampling=request.sampling,
             arrival_time=request.arrival_time,
-            sink=sink,
+            cache_salt=request.cache_salt,
         )
 
     @property
@@ -65,7 +64,7 @@ class Request:
         num_full = len(self.token_ids) // block_size
         while len(self.block_hashes) < num_full:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
             self.block_hashes.append(
                 hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size])
             )

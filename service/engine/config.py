@@ -1,0 +1,70 @@
+"""What an engine is asked to run: one typed value built once from the settings and the profile.
+
+The entry point (service.serving) turns Settings (the environment) and the selected Profile into
+an `EngineConfig`; engines read nothing else. Every field is honoured or refused: an engine that
+cannot run what the config asks for (a tensor-parallel size, a precision, LoRA) raises
+`UnsupportedConfigError` at start, with one line saying what and why, instead of running
+something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+# The vocabularies shared by Settings, profiles and engines; each is defined here only.
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+ModelFormat = Literal["gguf", "hf_dir"]
+
+# Profile precision tags of the unquantized dtypes, and back (NIM_DTYPE names dtypes).
+PRECISION_DTYPES: dict[str, DType] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PRECISION_TAGS: dict[DType, str] = {dtype: tag for tag, dtype in PRECISION_DTYPES.items()}
+
+
+class UnsupportedConfigError(ValueError):
+    """The engine cannot honour a configured setting; the message names it and says what to do."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int  # requests generating at once
+    max_num_batched_tokens: int  # token budget of one step
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    dtype: KVCacheDType
+    block_size: int  # tokens per block: the unit of allocation and prefix reuse
+    memory_fraction: float | None  # share of free memory after weights; None: the engine's default
+    max_tokens: int | None  # cap in tokens (the smaller of this and the share wins)
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    source: Path
+    max_rank: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to load and serve one model under one profile."""
+
+    engine: str  # the profile's llm_engine: the registry key
+    model_path: Path
+    model_format: ModelFormat
+    served_name: str
+    profile_name: str
+    precision: str  # the profile's weight precision tag (bf16, fp8, int4_wo, ...)
+    dtype: DType  # activation dtype; "auto" lets the engine pick for the device
+    device: DeviceKind
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    max_model_len: int | None  # None: the model's own context
+    scheduler: SchedulerLimits
+    kv_cache: KVCacheConfig
+    lora: LoraConfig | None = None
+    num_threads: int | None = None  # CPU threads; None: every core the container may use

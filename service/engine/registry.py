@@ -1,0 +1,120 @@
+"""Engines by the profile's `llm_engine` tag: which can run in this build, and loading one.
+
+The API and the entry point import this module and service.engine.protocol, never an engine
+package: each engine's module is imported only when it is loaded, so a build without an
+engine's dependencies (tensorrt_llm outside the gpu image) still starts and says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.protocol import LoadedEngine
+
+# Called from the engine's own thread when its step loop dies.
+FatalCallback = Callable[[BaseException], None]
+
+
+@dataclass(frozen=True)
+class EngineSupport:
+    """What an engine can run, so selection never picks a profile the engine would refuse."""
+
+    precisions: frozenset[str]
+    max_tensor_parallel: int = 1
+    max_pipeline_parallel: int = 1
+    lora: bool = False
+
+    def refusal(self, precision: str, tp: int, pp: int, lora: bool) -> str | None:
+        """Why a profile with these tags cannot run on this engine, or None if it can."""
+        if precision not in self.precisions:
+            return f"runs {', '.join(sorted(self.precisions))} weights, not {precision}"
+        if tp > self.max_tensor_parallel:
+            return f"tensor parallelism (tp={tp}) is not supported yet"
+        if pp > self.max_pipeline_parallel:
+            return f"pipeline parallelism (pp={pp}) is not supported"
+        if lora and not self.lora:
+            return "LoRA adapters are not supported yet"
+        return None
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    name: str
+    module: str  # imported on load; provides `load(config, on_fatal) -> LoadedEngine`
+    support: EngineSupport
+    needs: str | None = None  # the package that must be importable for it to run
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "torch": EngineEntry(
+        "torch",
+        "service.engine.torch.loading",
+        EngineSupport(precisions=frozenset({"bf16", "fp16", "fp32"})),
+        needs="torch",
+    ),
+    "tensorrt_llm": EngineEntry(
+        "tensorrt_llm",
+        "service.engine.trtllm",
+        EngineSupport(
+            precisions=frozenset({"bf16", "fp16", "fp8", "nvfp4", "int4_wo", "int8_wo"}),
+            max_tensor_parallel=8,
+            lora=True,
+        ),
+        needs="tensorrt_llm",
+    ),
+}
+
+# Engines whose adapter is not part of this release yet, with the reason users are told.
+NOT_BUILT = {"tensorrt_llm": "this release has no TensorRT-LLM adapter yet"}
+
+
+@dataclass(frozen=True)
+class Availability:
+    engine: str
+    available: bool
+    reason: str = ""  # one line, when not available
+
+
+def availability(name: str) -> Availability:
+    entry = ENGINES.get(name)
+    if entry is None:
+        return Availability(name, False, f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}")
+    if entry.needs is not None and importlib.util.find_spec(entry.needs) is None:
+        return Availability(name, False, f"{entry.needs} is not installed in this image")
+    if name in NOT_BUILT:
+        return Availability(name, False, f"{entry.needs} is installed, but {NOT_BUILT[name]}")
+    return Availability(name, True)
+
+
+def available_engines() -> dict[str, Availability]:
+    return {name: availability(name) for name in ENGINES}
+
+
+class EngineUnavailableError(RuntimeError):
+    """The selected profile's engine cannot run in this build."""
+
+
+def load_engine(config: EngineConfig, on_fatal: FatalCallback | None = None) -> LoadedEngine:
+    """Load the engine `config.engine` names (blocking: weights are read here).
+
+    Raises EngineUnavailableError, or UnsupportedConfigError for a setting the engine cannot
+    honour; both carry a one-line message for the start-up log.
+    """
+    state = availability(config.engine)
+    if not state.available:
+        raise EngineUnavailableError(f"engine {config.engine} cannot run here: {state.reason}")
+    refusal = ENGINES[config.engine].support.refusal(
+        config.precision,
+        config.tensor_parallel_size,
+        config.pipeline_parallel_size,
+        config.lora is not None,
+    )
+    if refusal is not None:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: the {config.engine} engine {refusal}")
+    module = importlib.import_module(ENGINES[config.engine].module)
+    loaded: LoadedEngine = module.load(config, on_fatal)
+    return loaded

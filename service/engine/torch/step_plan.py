@@ -1,0 +1,109 @@
+"""What the scheduler decided for one step, as plain picklable data the model runner consumes.
+
+The plan holds no live objects (no Request, no callbacks, no tensors): a runner in another
+process (a tensor-parallel worker, an engine-core process) receives exactly this. Per-request
+state that lasts longer than a step lives with the runner: a request's `NewRequest` arrives
+with the first plan that schedules it, and its id appears in `finished_request_ids` once, in the
+first plan after it ended, so the runner drops its state.
+
+Layout: S sequences, decodes first (`num_decodes` sequences computing one token each), then
+prefill chunks; their T tokens are flattened in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.engine.protocol import SamplingParams
+from service.util import cdiv
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What the runner keeps of a request for as long as it lives: sampling state lives there."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    end_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
+    adapter_slot: int = 0  # 0: the base model (LoRA adapters are not served yet)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    request_ids: tuple[str, ...]  # [S]
+    query_lens: tuple[int, ...]  # [S] tokens computed this step
+    context_lens: tuple[int, ...]  # [S] tokens with keys/values once the step ran
+    block_tables: tuple[tuple[int, ...], ...]  # [S] the blocks covering each context
+    sample: tuple[bool, ...]  # [S] the step reaches the sequence's last token: sample after it
+    prompt_logits: tuple[bool, ...]  # [S] the request wants prompt logprobs of these tokens
+    adapter_slots: tuple[int, ...]  # [S] 0: the base model
+    num_decodes: int
+    input_ids: tuple[int, ...]  # [T]
+    positions: tuple[int, ...]  # [T]
+    slot_mapping: tuple[int, ...]  # [T] cache slot of each token: block * block_size + offset
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.request_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step, as the engine hands it to `build_plan`."""
+
+    request_id: str
+    token_ids: list[int]  # the request's tokens so far (only [start, start + num_tokens) are read)
+    start: int  # tokens already computed
+    num_tokens: int
+    block_table: list[int]
+    sample: bool
+    prompt_logits: bool
+    adapter_slot: int = 0
+
+
+def build_plan(
+    sequences: list[ScheduledSequence],
+    block_size: int,
+    new_requests: tuple[NewRequest, ...] = (),
+    finished_request_ids: tuple[str, ...] = (),
+) -> StepPlan:
+    """Order decodes first and flatten tokens, positions and cache slots."""
+    ordered = sorted(sequences, key=lambda s: s.num_tokens != 1)  # stable: order kept within groups
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    for seq in ordered:
+        end = seq.start + seq.num_tokens
+        table = seq.block_table
+        tables.append(tuple(table[: cdiv(end, block_size)]))
+        input_ids.extend(seq.token_ids[seq.start : end])
+        for pos in range(seq.start, end):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return StepPlan(
+        request_ids=tuple(s.request_id for s in ordered),
+        query_lens=tuple(s.num_tokens for s in ordered),
+        context_lens=tuple(s.start + s.num_tokens for s in ordered),
+        block_tables=tuple(tables),
+        sample=tuple(s.sample for s in ordered),
+        prompt_logits=tuple(s.prompt_logits for s in ordered),
+        adapter_slots=tuple(s.adapter_slot for s in ordered),
+        num_decodes=sum(1 for s in ordered if s.num_tokens == 1),
+        input_ids=tuple(input_ids),
+        positions=tuple(positions),
+        slot_mapping=tuple(slots),
+        new_requests=new_requests,
+        finished_request_ids=finished_request_ids,
+    )

@@ -1,0 +1,208 @@
+"""Metering: what an engine reports, turned into the Prometheus series of service.metrics.
+
+Engines know nothing of Prometheus. They report two kinds of facts, and this module is the one
+place that turns them into series:
+
+- a typed `EngineStats` snapshot (queues, KV blocks, prefix-cache lookups, preemptions, step
+  histograms), read at scrape time by `EngineStatsCollector`, so a scrape sees the engine as it
+  is now and counters are exactly the engine's cumulative counts;
+- timed `RequestOutput` deltas, observed by `MeteredEngine` as they pass to the API: time to
+  first token and between tokens (from the engine's own timestamps), token counts, how each
+  request ended and its end-to-end latency. A request the client abandons counts as `abort`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from service.engine.protocol import (
+    Engine,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    Histogram,
+    RequestOutput,
+)
+from service.metrics import Metrics
+
+
+class EngineStatsCollector(Collector):
+    """Series computed from the engine's latest stats snapshot at each scrape.
+
+    Before an engine is attached (the model is loading) the labelled gauges and counters read 0,
+    so scrapers see zeros rather than gaps.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.engine: Engine | None = None
+        self.info: EngineInfo | None = None
+
+    def attach(self, engine: Engine, info: EngineInfo) -> None:
+        self.engine, self.info = engine, info
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats() if self.engine is not None else EngineStats()
+        name = self.model_name
+        yield from (
+            _gauge("vllm:num_requests_running", "Requests generating now.", name, stats.num_running),
+            _gauge("vllm:num_requests_waiting", "Requests queued.", name, stats.num_waiting),
+            _gauge("vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", name, stats.kv_cache_usage),
+            _gauge(
+                "vllm:gpu_cache_usage_perc",
+                "KV cache blocks in use (0-1); older name.",
+                name,
+                stats.kv_cache_usage,
+            ),
+            _counter(
+                "vllm:num_preemptions", "Requests preempted for KV blocks.", name, stats.num_preemptions
+            ),
+            _counter(
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                name,
+                stats.prefix_queries,
+            ),
+            _counter(
+                "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", name, stats.prefix_hits
+            ),
+        )
+        # NIM's documented unprefixed names.
+        yield GaugeMetricFamily("num_requests_running", "Requests generating now.", value=stats.num_running)
+        yield GaugeMetricFamily("num_requests_waiting", "Requests queued.", value=stats.num_waiting)
+        yield GaugeMetricFamily(
+            "gpu_cache_usage_perc", "KV cache blocks in use (0-1).", value=stats.kv_cache_usage
+        )
+        yield _histogram(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.", name, stats.step_tokens
+        )
+        yield _histogram(
+            "nim_engine_step_sequences", "Sequences in one engine step.", name, stats.step_sequences
+        )
+        yield _histogram(
+            "nim_engine_step_duration_seconds", "Time of one engine step.", name, stats.step_seconds
+        )
+        if self.info is not None:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "KV cache configuration (value 1).",
+                labels=["block_size", "num_gpu_blocks", "cache_dtype"],
+            )
+            info.add_metric(
+                [str(self.info.kv_block_size), str(self.info.kv_num_blocks), self.info.kv_cache_dtype], 1
+            )
+            yield info
+
+
+def _gauge(metric: str, doc: str, model_name: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
+def _counter(metric: str, doc: str, model_name: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(metric, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
+def _histogram(metric: str, doc: str, model_name: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(metric, doc, labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    family.add_metric([model_name], buckets, histogram.total)
+    return family
+
+
+@dataclass
+class _Progress:
+    """What the meter has seen of one request so far."""
+
+    arrival_time: float
+    last_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    ended: bool = False
+
+
+class MeteredEngine:
+    """An Engine that observes every request's outputs on their way to the API."""
+
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    # Everything but generate passes through.
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready
+
+    @property
+    def failure(self) -> str | None:
+        return self.engine.failure
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        progress = _Progress(arrival_time=request.arrival_time or time.monotonic())
+        stream = self.engine.generate(request)
+        try:
+            async for out in stream:
+                self._observe(progress, out)
+                yield out
+        finally:
+            await stream.aclose()
+            if not progress.ended:  # the consumer left first: the engine aborts it
+                progress.ended = True
+                self.metrics.observe_finished(
+                    "abort",
+                    time.monotonic() - progress.arrival_time,
+                    progress.num_prompt_tokens,
+                    progress.num_generated_tokens,
+                )
+
+    def _observe(self, progress: _Progress, out: RequestOutput) -> None:
+        progress.num_prompt_tokens = out.num_prompt_tokens
+        progress.num_generated_tokens = out.num_generated_tokens
+        metrics = self.metrics
+        if out.token_ids:
+            if progress.last_time is None:
+                metrics.observe_first_token(out.num_prompt_tokens, out.time - progress.arrival_time)
+                metrics.observe_tokens(len(out.token_ids), None)
+            else:
+                metrics.observe_tokens(len(out.token_ids), out.time - progress.last_time)
+            progress.last_time = out.time
+        if not out.finished:
+            return
+        progress.ended = True
+        if out.error is not None:
+            metrics.observe_failed()
+            return
+        metrics.observe_finished(
+            out.finish_reason or "abort",
+            (out.time or time.monotonic()) - progress.arrival_time,
+            out.num_prompt_tokens,
+            out.num_generated_tokens,
+        )

@@ -1,0 +1,112 @@
+"""From settings to a serving model: plan, fetch, configure, load, meter, start.
+
+The entry point's side of the engine seam. Settings (the environment) and the selected profile
+become one typed `EngineConfig` here, once; the registry loads the engine the profile names;
+metering wraps it; the API receives a `Ready` and never sees Settings fields it does not own or
+an engine package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from service.api.state import ModelInfo, Ready
+from service.config import Settings
+from service.engine.config import (
+    PRECISION_DTYPES,
+    EngineConfig,
+    KVCacheConfig,
+    LoraConfig,
+    SchedulerLimits,
+)
+from service.engine.registry import load_engine
+from service.metering import MeteredEngine
+from service.metrics import Metrics
+from service.model_store import ModelSource
+from service.planning import Plan, make_plan, model_source
+from service.util import one_line
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> EngineConfig:
+    """The engine's whole configuration: the profile's tags, with the operator's overrides.
+
+    The profile decides engine, precision, tp/pp and LoRA (NIM_DTYPE and NIM_TENSOR_PARALLEL_SIZE
+    take part in selecting it); an explicit NIM_KV_CACHE_DTYPE overrides the profile's KV cache
+    dtype, which is logged.
+    """
+    profile = plan.profile
+    kv_dtype = profile.kv_cache_dtype
+    if settings.kv_cache_dtype != "auto" and settings.kv_cache_dtype != kv_dtype:
+        if kv_dtype != "auto":
+            log.info(
+                "NIM_KV_CACHE_DTYPE=%s overrides profile %s's KV cache dtype %s",
+                settings.kv_cache_dtype,
+                profile.name,
+                kv_dtype,
+            )
+        kv_dtype = settings.kv_cache_dtype
+    lora = None
+    if settings.peft_source is not None or profile.feat_lora:
+        lora = LoraConfig(source=settings.peft_source, max_rank=profile.lora_max_rank or 0)
+    return EngineConfig(
+        engine=profile.llm_engine,
+        model_path=source.path,
+        model_format=source.kind,
+        served_name=source.served_name,
+        profile_name=profile.name,
+        precision=profile.precision,
+        dtype=PRECISION_DTYPES.get(profile.precision, "auto"),
+        device=settings.device,
+        tensor_parallel_size=profile.tp,
+        pipeline_parallel_size=profile.pp,
+        max_model_len=settings.max_model_len,
+        scheduler=SchedulerLimits(settings.max_num_seqs, settings.max_num_batched_tokens),
+        kv_cache=KVCacheConfig(
+            dtype=kv_dtype,  # type: ignore[arg-type]  # profiles carry the same vocabulary
+            block_size=settings.kv_block_size,
+            memory_fraction=settings.kv_cache_fraction,
+            max_tokens=settings.kv_cache_max_tokens,
+            enable_prefix_caching=settings.enable_kv_cache_reuse,
+        ),
+        lora=lora,
+        num_threads=settings.num_threads,
+    )
+
+
+def config_for(settings: Settings) -> EngineConfig:
+    """Plan, fetch and configure in one blocking call (for tools, benchmarks and tests)."""
+    plan = make_plan(settings)
+    return engine_config(settings, plan, model_source(plan, settings))
+
+
+def bring_up_model(settings: Settings):  # -> service.api.app.BringUp
+    """The API's BringUp for these settings: plan, fetch, load, meter and start the engine."""
+
+    async def bring_up(metrics: Metrics, on_engine_death) -> Ready:
+        plan = await asyncio.to_thread(make_plan, settings)
+        for line in plan.selection.explanation:
+            log.info("%s", line)
+        source = await asyncio.to_thread(model_source, plan, settings)
+        config = engine_config(settings, plan, source)
+
+        def died(exc: BaseException) -> None:
+            on_engine_death(f"engine failed: {one_line(exc, with_type=True)}")
+
+        loaded = await asyncio.to_thread(load_engine, config, died)
+        engine = MeteredEngine(loaded.engine, metrics)
+        await engine.start()
+        info = ModelInfo(
+            served_name=source.served_name,
+            source=str(source.path),
+            engine=loaded.info,
+            profile_id=plan.profile.id,
+            profile_name=plan.profile.name,
+            profile_tags=plan.profile.tags(),
+            selection=tuple(plan.selection.explanation[:1]),
+        )
+        return Ready(engine=engine, tokenizer=loaded.tokenizer, info=info)
+
+    return bring_up
