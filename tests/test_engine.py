@@ -14,8 +14,8 @@ import pytest
 from service.config import load_settings
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
 from service.engine.torch.engine import TorchEngine
-from service.engine.torch.loading import load_torch_engine
-from service.model_store import resolve_model
+from service.engine.torch.loading import build_engine
+from service.serving import config_for
 
 WORDS = [
     *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while"),
@@ -31,7 +31,7 @@ def make_engine(**overrides: object) -> TorchEngine:
         "max_num_batched_tokens": 256,
     }
     settings = load_settings(**{**defaults, **overrides})
-    engine = load_torch_engine(resolve_model(None, None, settings.cache_path), settings)
+    engine = build_engine(config_for(settings))
     asyncio.run(engine.start())
     return engine
 
@@ -75,7 +75,9 @@ def request(rid: str, prompt: list[int], **params: object) -> GenerationRequest:
 def wait_idle(engine: TorchEngine, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not engine.scheduler.has_work() and engine.pool.num_free == engine.pool.num_blocks:
+        stats = engine.stats()  # published last in a step: idle here means that step is counted
+        idle = not (stats.num_running or stats.num_waiting or engine.scheduler.has_work())
+        if idle and engine.pool.num_free == engine.pool.num_blocks:
             return
         time.sleep(0.01)
     raise AssertionError(f"engine not idle: {engine.stats()}")
@@ -225,15 +227,34 @@ def test_engine_failure_fails_requests_readiness_and_reports() -> None:
     reported: list[BaseException] = []
     dying.on_fatal = reported.append
 
-    def broken(chunks):
+    def broken(plan):
         raise RuntimeError("simulated device fault")
 
     dying.runner.execute = broken  # type: ignore[method-assign]
     try:
         result = run_all(dying, [request("doomed", prompt_of(dying, 5, 1))])["doomed"]
-        assert result.finish_reason == "abort"
+        assert result.finish_reason is None  # an engine error is not a normal-looking ending
         assert "simulated device fault" in (result.outputs[-1].error or "")
         assert not dying.ready
         assert len(reported) == 1 and "simulated device fault" in str(reported[0])
     finally:
         asyncio.run(dying.stop())
+
+
+def test_n_choices_admitted_together_compute_their_prompt_once(engine: TorchEngine) -> None:
+    """The choices of an n > 1 request arrive together: the prompt is computed once, the others
+    wait a step and take its blocks from the prefix cache (only the partial last block is theirs)."""
+    prompt = prompt_of(engine, 400, seed=4242)  # no other test's prompt starts like this
+    block = engine.config.kv_spec.block_size
+    before = engine.stats()
+    n, max_tokens = 4, 3
+    results = run_all(engine, [request(f"n{i}", prompt, max_tokens=max_tokens) for i in range(n)])
+    wait_idle(engine)
+    after = engine.stats()
+    computed = after.step_tokens.total - before.step_tokens.total
+    decode_tokens = n * (max_tokens - 1)
+    shared = (len(prompt) - 1) // block * block
+    assert computed - decode_tokens == len(prompt) + (n - 1) * (len(prompt) - shared)
+    cached = sorted(r.outputs[-1].num_cached_tokens for r in results.values())
+    assert cached == [0] + [shared] * (n - 1)
+    assert len({tuple(r.token_ids) for r in results.values()}) == 1  # greedy: the same answer

@@ -21,9 +21,10 @@ import pytest
 
 from service.engine.protocol import SamplingParams
 from service.engine.torch.block_pool import BlockPool
-from service.engine.torch.kv_cache_manager import KVCacheManager, cdiv
+from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.request import Request, RequestStatus
 from service.engine.torch.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from service.util import cdiv
 
 BS = 4  # block size for the hand-computed tests
 
@@ -41,7 +42,6 @@ def make_request(
         num_prompt_tokens=len(prompt),
         sampling=SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs),
         arrival_time=0.0,
-        sink=lambda out: None,
     )
 
 
@@ -99,10 +99,16 @@ def check_state(sched: Scheduler) -> None:
 
 
 def head_of_waiting_fits(sched: Scheduler, budget_left: int) -> bool:
-    """Would admission of the first waiting request succeed now (same arithmetic as allocate)?"""
+    """Would admission of the first waiting request succeed now (same arithmetic as allocate)?
+
+    A request whose next block a running request is computing waits for it by design.
+    """
     kv = sched.kv
     request = sched.waiting[0]
     prefix = kv.cached_prefix(request)
+    upcoming = kv.next_uncached_block(request, prefix)
+    if upcoming is not None and any(upcoming in kv.prompt_blocks_in_flight(r) for r in sched.running):
+        return False
     num_new = min(request.num_uncomputed - len(prefix) * kv.block_size, budget_left)
     needed = cdiv(len(prefix) * kv.block_size + num_new, kv.block_size) - len(prefix)
     reclaimed = sum(1 for block in prefix if block.ref_count == 0)

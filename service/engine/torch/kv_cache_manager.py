@@ -9,12 +9,9 @@ recomputing them.
 
 from __future__ import annotations
 
-from service.engine.torch.block_pool import Block, BlockPool
+from service.engine.torch.block_pool import Block, BlockHash, BlockPool
 from service.engine.torch.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from service.util import cdiv
 
 
 class KVCacheManager:
@@ -42,6 +39,31 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def prompt_blocks_in_flight(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full prompt blocks `request` is computing and has not published yet.
+
+        A waiting request whose next block is among them should wait for it rather than compute
+        the same keys and values a second time (the choices of an n > 1 request, a system prompt
+        shared by requests that arrive together).
+        """
+        if not self.pool.enable_caching:
+            return []
+        done = self._num_registered.get(request.request_id, 0)
+        num_full = request.num_prompt_tokens // self.block_size
+        if done >= num_full:
+            return []
+        return request.full_block_hashes(self.block_size)[done:num_full]
+
+    def next_uncached_block(self, request: Request, prefix: list[Block]) -> BlockHash | None:
+        """The hash of the first block after `prefix` that admission would compute, if it is a
+        full block that a prefix hit could otherwise have served."""
+        if not self.pool.enable_caching or request.sampling.prompt_logprobs is not None:
+            return None
+        usable = (request.num_tokens - 1) // self.block_size
+        if len(prefix) >= usable:
+            return None
+        return request.full_block_hashes(self.block_size)[len(prefix)]
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: list[Block] | None = None) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short.

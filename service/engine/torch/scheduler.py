@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from service.engine.torch.block_pool import BlockHash
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.request import Request, RequestStatus
 
@@ -54,7 +55,10 @@ class Scheduler:
       2. Only if nothing was preempted, waiting requests are admitted in arrival order while
          the budget, `max_num_seqs` and free blocks allow; the first that does not fit stops
          admission, so nobody overtakes an older request. Admission first takes the longest
-         cached prefix of the request's tokens, so only the rest is computed.
+         cached prefix of the request's tokens, so only the rest is computed; and a request
+         whose next block is a prompt block some running request is computing right now waits
+         (also stopping admission) until that block is published, so prompts shared by
+         requests that arrive together (the choices of n > 1) are computed once.
     Abort removes a request from either queue and frees its blocks at once.
     """
 
@@ -111,9 +115,18 @@ class Scheduler:
 
         if out.preempted:
             return out
+        in_flight: set[BlockHash] | None = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.cached_prefix(request) if request.num_computed_tokens == 0 else []
+            upcoming = (
+                self.kv.next_uncached_block(request, prefix) if request.num_computed_tokens == 0 else None
+            )
+            if upcoming is not None:
+                if in_flight is None:
+                    in_flight = {h for r in self.running for h in self.kv.prompt_blocks_in_flight(r)}
+                if upcoming in in_flight:
+                    break  # being computed by a running request: reuse it next step instead
             num_new = min(request.num_uncomputed - len(prefix) * self.kv.block_size, budget)
             if not self.kv.allocate(request, num_new, prefix):
                 break
@@ -124,6 +137,8 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request, request.num_cached_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if in_flight is not None:
+                in_flight.update(self.kv.prompt_blocks_in_flight(request))
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
