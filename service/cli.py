@@ -12,6 +12,7 @@ import logging
 import ssl
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 import uvicorn
 
@@ -152,11 +153,20 @@ def serve(settings: Settings) -> int:
     return 0
 
 
-def tls_options(settings: Settings) -> dict[str, object]:
+class TlsOptions(TypedDict, total=False):
+    """The uvicorn.Config keyword arguments that `tls_options` sets."""
+
+    ssl_keyfile: str
+    ssl_certfile: str
+    ssl_ca_certs: str
+    ssl_cert_reqs: int
+
+
+def tls_options(settings: Settings) -> TlsOptions:
     """uvicorn's TLS arguments for NIM_SSL_MODE (files were checked when Settings were built)."""
     if settings.ssl_mode == "DISABLED":
         return {}
-    options: dict[str, object] = {
+    options: TlsOptions = {
         "ssl_keyfile": str(settings.ssl_key_path),
         "ssl_certfile": str(settings.ssl_certs_path),
     }

@@ -486,7 +486,8 @@ _NVML_ERROR_LIBRARY_NOT_FOUND = 12
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
 _NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 
-_INIT_FAILURES = {
+# Keyed by object: it is looked up with whatever an exception's `value` holds, None included.
+_INIT_FAILURES: dict[object, str] = {
     _NVML_ERROR_LIBRARY_NOT_FOUND: "library not found",
     _NVML_ERROR_DRIVER_NOT_LOADED: "driver not loaded",
     _NVML_ERROR_NO_PERMISSION: "no permission",
@@ -555,9 +556,10 @@ def detect_system(
     cpu = cpu if cpu is not None else detect_cpu()
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return SystemInfo((), cpu, nvml_status="pynvml not installed")
+        nvml = pynvml
     error = _nvml_error_class(nvml)
     try:
         nvml.nvmlInit()

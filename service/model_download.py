@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import filelock
 import httpx2
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
+from huggingface_hub import DatasetInfo, HfApi, ModelInfo, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -503,6 +503,9 @@ def _list_remote(
     )
     if not info.sha or not _COMMIT_RE.fullmatch(info.sha):
         raise DownloadError(f"the hub returned no commit for {spec.label}; check that the endpoint is a Hub")
+    # ArtifactSpec admits only model and dataset repos; repo_info's type also covers spaces and kernels.
+    if not isinstance(info, ModelInfo | DatasetInfo):
+        raise DownloadError(f"the hub described {spec.label} as a {type(info).__name__}, not a model repo")
     files = []
     for sibling in info.siblings or []:
         size = sibling.lfs.size if sibling.lfs is not None else sibling.size

@@ -18,7 +18,7 @@ from service.engine.config import PRECISION_TAGS
 from service.engine.models.config import ModelConfig
 from service.engine.registry import ENGINES, available_engines
 from service.hardware import SystemInfo, detect_system, load_system
-from service.model_download import ArtifactSpec, download_artifact
+from service.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
 from service.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
@@ -172,9 +172,7 @@ def fetch_profile(profile: Profile, settings: Settings, *, progress: bool = True
     local = Path(source.repo).expanduser()
     if local.exists():
         return local
-    spec = ArtifactSpec(
-        source.repo, source.revision, **({"allow_patterns": source.files} if source.files else {})
-    )
+    spec = ArtifactSpec(source.repo, source.revision, source.files or DEFAULT_ALLOW_PATTERNS)
     return download_artifact(
         spec,
         settings.cache_path / "hub",

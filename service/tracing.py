@@ -54,7 +54,8 @@ class RequestTracing:
         import service
 
         if settings.otel_traces_exporter == "console":
-            exporter: Any = ConsoleSpanExporter(out=_LogWriter())
+            # The exporter asks for a typing.IO but only calls write() and flush(), which _LogWriter has.
+            exporter: Any = ConsoleSpanExporter(out=_LogWriter())  # type: ignore[arg-type]
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from service.api.errors import APIError, invalid_request, service_unavailable
 from service.api.middleware import current_request_id
-from service.api.schemas import SamplingFields, Usage
+from service.api.schemas import FinishReason, PromptTokensDetails, SamplingFields, Usage
 from service.api.state import ApiLimits
 from service.engine.protocol import (
     Engine,
@@ -137,7 +137,7 @@ def reject_unsupported(request: SamplingFields) -> None:
 @dataclass
 class ChoiceResult:
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
@@ -157,7 +157,7 @@ class ChoiceResult:
         self.num_generated_tokens = out.num_generated_tokens
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason = client_finish_reason(out)
             self.text = "".join(self.pieces)
 
 
@@ -167,13 +167,21 @@ def usage(prompt_lengths: Sequence[int], completion_tokens: int, cached_tokens: 
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details={"cached_tokens": cached_tokens},
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
 def ended_badly(out: RequestOutput) -> bool:
     """The engine failed the request, or cancelled it while its client was still there."""
     return out.error is not None or out.finish_reason == "abort"
+
+
+def client_finish_reason(out: RequestOutput) -> FinishReason | None:
+    """The finish_reason a client sees; only for outputs that did not end badly, so never "abort"."""
+    reason = out.finish_reason
+    if reason == "abort":
+        raise engine_error(out)
+    return reason
 
 
 def engine_error(out: RequestOutput) -> APIError:
@@ -183,7 +191,7 @@ def engine_error(out: RequestOutput) -> APIError:
     return service_unavailable("generation was cancelled: the server is shutting down", 5)
 
 
-async def _outputs(engine: Engine, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+async def _outputs(engine: Engine, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
     """One request's outputs; a dead engine is a 503 like readiness reports it."""
     stream = engine.generate(request)
     try:

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -17,6 +18,7 @@ from service.api.generation import (
     LogprobRequest,
     build_requests,
     check_context,
+    client_finish_reason,
     collect,
     ended_badly,
     engine_error,
@@ -48,13 +50,15 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import Ready, ServiceState
-from service.engine.protocol import GenerationRequest
+from service.engine.protocol import GenerationRequest, TokenLogprob
 from service.tokenizer import ChatTemplateError
 from service.tracing import annotate
 
 log = logging.getLogger(__name__)
 
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 router = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
@@ -180,7 +184,8 @@ async def _chat_stream(
             )
         if out.finished:
             finish_reasons[index] = out.finish_reason
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=out.finish_reason)])
+            finish = client_finish_reason(out)
+            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish)])
     totals = usage([num_prompt], sum(completion_tokens), cached)
     _trace_result(totals, finish_reasons)
     if include_usage:
@@ -236,7 +241,8 @@ async def completions(body: CompletionRequest, request: Request):
         prompt = prompts[i // body.n]
         choice_logprobs = None
         if body.logprobs is not None:
-            ids, entries = list(r.token_ids), list(r.logprobs)
+            ids = list(r.token_ids)
+            entries: list[TokenLogprob | None] = list(r.logprobs)
             if body.echo:
                 ids, entries = [*prompt, *ids], [*(r.prompt_logprobs or [None] * len(prompt)), *entries]
             choice_logprobs = completion_logprobs(ready.tokenizer, ids, entries)
@@ -256,22 +262,19 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 def _completion_prompts(body: CompletionRequest, ready: Ready) -> list[list[int]]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        texts: list[str] | None = [prompt]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        texts = list(prompt)  # type: ignore[arg-type]
-    else:
-        texts = None
-    if texts is not None:
-        if not texts or any(not t for t in texts):
-            raise invalid_request("prompt must not be empty", "prompt")
-        return [ready.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    # Validation made the prompt a string or a list of one kind: strings, token ids or token id lists.
+    prompt = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompt:
         raise invalid_request("prompt must not be empty", "prompt")
-    if all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [list(p) for p in prompt]  # type: ignore[union-attr]
+    texts = [p for p in prompt if isinstance(p, str)]
+    if texts:
+        if any(not t for t in texts):
+            raise invalid_request("prompt must not be empty", "prompt")
+        return [ready.tokenizer.encode(t, add_special_tokens=True) for t in texts]
+    token_ids = [t for t in prompt if isinstance(t, int)]
+    if token_ids:
+        return [token_ids]
+    return [list(p) for p in prompt if isinstance(p, list)]
 
 
 async def _completion_stream(
@@ -302,7 +305,8 @@ async def _completion_stream(
             return
         completion_tokens[index] = out.num_generated_tokens
         cached[index] = out.num_cached_tokens
-        text, ids, entries = out.text, list(out.token_ids), list(out.logprobs or [])
+        text, ids = out.text, list(out.token_ids)
+        entries: list[TokenLogprob | None] = list(out.logprobs or [])
         if not echoed[index]:  # the prompt goes out with the choice's first chunk
             prompt = prompts[index // body.n]
             text = echoes[index // body.n] + text
@@ -313,7 +317,11 @@ async def _completion_stream(
             finish_reasons[index] = out.finish_reason
         if text or out.finished or logprobs:
             yield chunk(
-                [CompletionChoice(index=index, text=text, finish_reason=out.finish_reason, logprobs=logprobs)]
+                [
+                    CompletionChoice(
+                        index=index, text=text, finish_reason=client_finish_reason(out), logprobs=logprobs
+                    )
+                ]
             )
     cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
     totals = usage([len(p) for p in prompts], sum(completion_tokens), cached_total)

@@ -28,7 +28,8 @@ MIN_ROWS = 8
 
 
 def prepacking_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    # torch leaves mkldnn.is_available unannotated.
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
@@ -51,8 +52,12 @@ class PackedLinear(nn.Module):
         rows = x.shape[0]
         if rows < MIN_ROWS:
             padded = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
-            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                padded, self.packed, self.bias, "none", [], ""
+            )
+            return out[:rows]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
     scaling = config.rope_scaling
     rope_type = "default" if scaling is None else scaling["rope_type"]
-    if rope_type in ("default", "dynamic"):
+    if scaling is None or rope_type in ("default", "dynamic"):
         # dynamic NTK only changes frequencies past max_position_embeddings, which the cos/sin cache
         # does not cover; within it HF uses the plain frequencies too.
         pass
@@ -61,7 +62,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
     return inv_freq
 
 
-def _llama3_inverse_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+def _llama3_inverse_frequencies(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
     # Mirrors transformers' _compute_llama3_parameters.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -85,6 +86,9 @@ class RotaryEmbedding(nn.Module):
     i + D/2, so ``x1 * cos - x2 * sin`` / ``x2 * cos + x1 * sin`` on the halves is exactly HF's
     ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``, element by element.
     """
+
+    cos_cached: Tensor
+    sin_cached: Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -137,8 +141,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -150,7 +154,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, -1)
@@ -161,9 +165,11 @@ class LlamaAttention(nn.Module):
             # q and k are adjacent in qkv: rotate them with one call.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
             qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            # torch leaves Tensor.split unannotated.
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # type: ignore[no-untyped-call]
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -177,7 +183,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        down: Tensor = self.down_proj(F.silu(gate) * up)
+        return down
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -190,7 +197,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        mlp_out: Tensor = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + mlp_out
 
 
 class LlamaModel(nn.Module):
@@ -231,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -246,13 +254,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions, hidden.dtype)  # [T, 1, D/2] each, shared by all layers
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, attention)
-        return self.model.norm(hidden)
+        normed: Tensor = self.model.norm(hidden)
+        return normed
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (matmul in the model dtype, as HF does, then upcast)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        logits: Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def prepack_for_cpu(self) -> None:
         """Hold every linear layer, the logits projection included, in oneDNN's packed layout.
@@ -267,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
     def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
         config = self.config
         if fused_name == "qkv_proj":
-            sizes = (config.q_size, config.kv_size, config.kv_size)
+            sizes: tuple[int, ...] = (config.q_size, config.kv_size, config.kv_size)
         else:
             sizes = (config.intermediate_size, config.intermediate_size)
         start = sum(sizes[:shard])
