@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 EMBEDDED := model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 HOST ?= 127.0.0.1
 
-.PHONY: setup setup-test serve test lint format bench clean
+.PHONY: setup setup-test serve test test-gpu lint format bench clean
 
 setup: $(VENV)/.runtime $(EMBEDDED)
 
@@ -35,15 +35,24 @@ serve: setup
 test: setup-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
+
+# On a machine with an NVIDIA GPU (and the CUDA torch it came with): the gpu-marked tests, then the
+# engine and API tests with the engine on CUDA (the default device there).
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests/
+	$(PYTHON) -m pytest -q tests/test_decode_kernels.py tests/test_engine.py tests/test_engine_failure.py \
+		tests/test_api_openai.py tests/test_api_sampling.py tests/test_api_errors.py tests/test_api_system.py
 
 lint: setup-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: setup-test
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf $(VENV) model_store/smollm2-135m-instruct .pytest_cache .ruff_cache
+	rm -rf $(VENV) model_store/smollm2-135m-instruct .pytest_cache .ruff_cache .mypy_cache

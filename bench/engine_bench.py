@@ -32,8 +32,10 @@ from service.serving import config_for
 class DenseAttention:
     """A preallocated dense cache: k/v [L, B, Hkv, max_len, D]; every row at the same position."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype) -> None:
-        self.k = torch.zeros(layers, batch, kv_heads, max_len, head_dim, dtype=dtype)
+    def __init__(
+        self, layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype, device
+    ) -> None:
+        self.k = torch.zeros(layers, batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.batch = batch
         self.pos = 0
@@ -56,6 +58,7 @@ class DenseAttention:
 
 def bare_decode(engine, batch: int, input_len: int, output_len: int) -> float:
     model, config = engine.model, engine.model_config
+    device = engine.config.device
     cache = DenseAttention(
         config.num_layers,
         batch,
@@ -63,20 +66,24 @@ def bare_decode(engine, batch: int, input_len: int, output_len: int) -> float:
         config.head_dim,
         input_len + output_len,
         engine.config.dtype,
+        device,
     )
     rng = random.Random(0)
-    prompt = torch.tensor([[rng.randrange(100, 40000) for _ in range(input_len)] for _ in range(batch)])
+    tokens = [[rng.randrange(100, 40000) for _ in range(input_len)] for _ in range(batch)]
+    prompt = torch.tensor(tokens, device=device)
     with torch.inference_mode():
-        positions = torch.arange(input_len).repeat(batch)
+        positions = torch.arange(input_len, device=device).repeat(batch)
         hidden = model(prompt.reshape(-1), positions, cache)
         cache.pos = input_len
         last = model.compute_logits(hidden.view(batch, input_len, -1)[:, -1]).argmax(-1)
         started = time.perf_counter()
         for _ in range(output_len - 1):
-            positions = torch.full((batch,), cache.pos)
+            positions = torch.full((batch,), cache.pos, device=device)
             hidden = model(last, positions, cache)
             cache.pos += 1
             last = model.compute_logits(hidden).argmax(-1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
     return batch * (output_len - 1) / elapsed
 

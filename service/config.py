@@ -7,7 +7,7 @@ layered on top, and passed down explicitly. Nothing else in the code base reads 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -221,6 +221,11 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_SHUTDOWN_GRACE_SECONDS"),
         description="On SIGTERM, how long in-flight requests may run on before the server stops.",
     )
+    enforce_eager: bool = Field(
+        False,
+        validation_alias=_env("NIM_ENFORCE_EAGER"),
+        description="1: run every step eagerly, without CUDA graphs (for debugging).",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -333,8 +338,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the variable and what is allowed."""
 
 
-def load_settings(**overrides: object) -> Settings:
-    """Read the environment, apply non-None overrides (command-line flags), validate once."""
+def load_settings(**overrides: Any) -> Settings:
+    """Read the environment, apply non-None overrides (command-line flags), validate once.
+
+    Overrides are raw flag values of any type: pydantic validates and converts them, as it does the
+    environment's strings.
+    """
     flags = {k: v for k, v in overrides.items() if v is not None}
     try:
         return Settings(**flags)

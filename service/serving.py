@@ -72,6 +72,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
             enable_prefix_caching=settings.enable_kv_cache_reuse,
         ),
         lora=lora,
+        enforce_eager=settings.enforce_eager,
         num_threads=settings.num_threads,
     )
 

@@ -236,6 +236,9 @@ def test_engine_failure_fails_requests_readiness_and_reports() -> None:
         assert result.finish_reason is None  # an engine error is not a normal-looking ending
         assert "simulated device fault" in (result.outputs[-1].error or "")
         assert not dying.ready
+        deadline = time.monotonic() + 5  # reported right after the requests are failed
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(reported) == 1 and "simulated device fault" in str(reported[0])
     finally:
         asyncio.run(dying.stop())

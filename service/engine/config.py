@@ -45,7 +45,7 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    source: Path
+    source: Path | None  # NIM_PEFT_SOURCE; None: a LoRA profile serving with no adapter source set
     max_rank: int
 
 
@@ -67,4 +67,5 @@ class EngineConfig:
     scheduler: SchedulerLimits
     kv_cache: KVCacheConfig
     lora: LoraConfig | None = None
+    enforce_eager: bool = False  # no CUDA graphs or compiled steps (debugging)
     num_threads: int | None = None  # CPU threads; None: every core the container may use

@@ -45,6 +45,7 @@ from service.engine.protocol import (
     TokenLogprob,
 )
 from service.engine.torch.block_pool import BlockPool
+from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 from service.engine.torch.model_runner import ModelRunner, StepResult
@@ -72,6 +73,8 @@ class TorchEngineConfig:
     enable_prefix_caching: bool
     device: torch.device
     dtype: torch.dtype
+    decode_kernel: bool = False  # decodes attend through the Triton paged kernel (CUDA)
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs captured at start-up
 
 
 @dataclass
@@ -119,7 +122,12 @@ class TorchEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
         )
-        self.runner = ModelRunner(model, self.kv_pool, config.device)
+        graphs = None
+        if config.cuda_graphs:
+            graphs = CudaGraphDecoder(
+                model, self.kv_pool, config.max_num_seqs, config.max_model_len, config.device
+            )
+        self.runner = ModelRunner(model, self.kv_pool, config.device, graphs, config.decode_kernel)
         self._live: dict[str, _Live] = {}
         self._ended: list[str] = []  # requests whose runner state the next plan releases
         self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
@@ -415,7 +423,8 @@ class TorchEngine:
     # --- Start-up -----------------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Run a prefill and decode steps through the real path; stats and the cache forget it."""
+        """Run a prefill and decode steps through the real path and capture the decode graphs
+        (before readiness); stats and the prefix cache forget it."""
         with torch.inference_mode():
             prompt = self.tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog", True)
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -428,6 +437,8 @@ class TorchEngine:
             self._admit(_Submit(GenerationRequest("warm-up", prompt, params, time.monotonic()), sink))
             while not done.is_set():
                 self._step()
+            if self.runner.decode_graphs is not None:
+                self.runner.decode_graphs.capture()
             self.pool.reset_cache()
             self.kv.prefix_queries = self.kv.prefix_hits = 0
             self.scheduler.num_preemptions = 0

@@ -46,7 +46,8 @@ class KVCacheSpec:
             return torch.int8
         if self.cache_dtype == "fp8":
             return torch.uint8
-        return getattr(torch, self.cache_dtype)
+        dtype: torch.dtype = getattr(torch, self.cache_dtype)
+        return dtype
 
     @property
     def name(self) -> str:
@@ -66,10 +67,14 @@ class KVCacheSpec:
 
 
 class KVPool:
+    """`num_blocks` blocks for requests, plus one scratch block (`scratch_block`, the last) that
+    is never allocated: padding rows of a fixed-size batch write their keys and values there."""
+
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
-        self.num_blocks = num_blocks
-        shape = (2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+        self.scratch_block = num_blocks
+        self.num_blocks = num_blocks + 1  # as allocated: the scratch block included
+        shape = (2, spec.num_kv_heads, self.num_blocks, spec.block_size, spec.head_dim)
         layers = range(spec.num_layers)
         self.data = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in layers]
         self.scales = None

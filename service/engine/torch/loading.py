@@ -16,6 +16,7 @@ from service.engine.models.loader import build_model, load_gguf, load_safetensor
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
+from service.engine.torch.triton_attention import triton_available
 from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
 from service.tokenizer import Tokenizer
 from service.util import cdiv
@@ -75,6 +76,7 @@ def build_engine(
         model_dtype=dtype,
     )
     num_blocks = size_kv_cache(kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, max_model_len)
+    decode_kernel = device.type == "cuda" and decode_kernel_supported(kv_spec)
     engine_config = TorchEngineConfig(
         max_model_len=max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
@@ -84,6 +86,8 @@ def build_engine(
         enable_prefix_caching=config.kv_cache.enable_prefix_caching,
         device=device,
         dtype=dtype,
+        decode_kernel=decode_kernel,
+        cuda_graphs=decode_kernel and not config.enforce_eager,
     )
     info = EngineInfo(
         engine="torch",
@@ -100,6 +104,18 @@ def build_engine(
         features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching),
     )
     return TorchEngine(model, model_config, tokenizer, engine_config, info, on_fatal=on_fatal)
+
+
+def decode_kernel_supported(spec: KVCacheSpec) -> bool:
+    """Whether decodes can attend through the Triton kernel (and so run as CUDA graphs): it needs
+    triton, and an fp8 cache needs a GPU that converts fp8 (compute capability 8.9+)."""
+    if not triton_available():
+        log.warning("triton is not installed: decodes gather the cache and run eagerly, without graphs")
+        return False
+    if spec.cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        log.warning("fp8 KV cache before compute capability 8.9: decodes gather the cache, no graphs")
+        return False
+    return True
 
 
 def context_length(model: ModelConfig, requested: int | None) -> int:

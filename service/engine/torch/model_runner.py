@@ -13,6 +13,7 @@ import torch
 
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.protocol import TokenLogprob
+from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import (
     AttentionMetadata,
@@ -55,8 +56,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        decode_graphs: CudaGraphDecoder | None = None,
+        decode_kernel: bool = False,
+    ) -> None:
         self.model = model
+        self.decode_kernel = decode_kernel  # decodes attend through the Triton paged kernel
+        self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
         self.pool = pool
         self.device = device
         self.block_size = pool.spec.block_size
@@ -77,23 +87,11 @@ class ModelRunner:
             )
         if not plan.request_ids:
             return StepResult([], {})
-        hidden = self._forward(plan)  # [T, H]
-
-        # The rows whose logits are needed: every token of a prompt-logprobs chunk, else the
-        # last token of each sequence that samples.
-        wanted: list[int] = []
-        spans: list[tuple[int, int]] = []
-        offset = 0
-        for n, samples, prompt in zip(plan.query_lens, plan.sample, plan.prompt_logits, strict=True):
-            first = len(wanted)
-            if prompt:
-                wanted.extend(range(offset, offset + n))
-            elif samples:
-                wanted.append(offset + n - 1)
-            spans.append((first, len(wanted)))
-            offset += n
-        index = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [R, V] float32
+        if self.decode_graphs is not None and self.decode_graphs.can_run(plan):
+            logits = self.decode_graphs.run(plan)  # [S, V]: every sequence decodes and samples
+            spans = [(i, i + 1) for i in range(plan.num_sequences)]
+        else:
+            logits, spans = self._logits(plan)
 
         prompt_logprobs = self._prompt_logprobs(plan, logits, spans)
         sampling = [i for i, s in enumerate(plan.sample) if s]
@@ -106,6 +104,27 @@ class ModelRunner:
         for state, token in zip(states, sampled, strict=True):
             state.token_ids.append(token.token_id)
         return StepResult(sampled, prompt_logprobs)
+
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """One eager forward pass; the logits of the rows that need them, and each sequence's span.
+
+        The rows: every token of a prompt-logprobs chunk, else the last token of each sequence
+        that samples.
+        """
+        hidden = self._forward(plan)  # [T, H]
+        wanted: list[int] = []
+        spans: list[tuple[int, int]] = []
+        offset = 0
+        for n, samples, prompt in zip(plan.query_lens, plan.sample, plan.prompt_logits, strict=True):
+            first = len(wanted)
+            if prompt:
+                wanted.extend(range(offset, offset + n))
+            elif samples:
+                wanted.append(offset + n - 1)
+            spans.append((first, len(wanted)))
+            offset += n
+        index = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)), spans  # [R, V] float32
 
     def _prompt_logprobs(
         self, plan: StepPlan, logits: torch.Tensor, spans: list[tuple[int, int]]
@@ -136,18 +155,24 @@ class ModelRunner:
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [T]
         attention = PagedAttention(self.pool, self._metadata(plan), self.num_heads, self.head_dim)
-        return self.model(ids, pos, attention)  # [T, H]
+        hidden: torch.Tensor = self.model(ids, pos, attention)  # [T, H]
+        return hidden
 
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         device = self.device
         num_decodes = plan.num_decodes
-        decode_blocks = mask = None
+        decode_blocks = mask = tables = lens = None
         if num_decodes:
             context_lens = plan.context_lens[:num_decodes]
             width = cdiv(max(context_lens), self.block_size)
-            decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-            mask = decode_mask(lens, width * self.block_size)
+            if self.decode_kernel:
+                scratch = self.pool.scratch_block
+                rows = [list(t) + [scratch] * (width - len(t)) for t in plan.block_tables[:num_decodes]]
+                tables = torch.tensor(rows, dtype=torch.long, device=device)  # [B, N]
+            else:
+                decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
+                mask = decode_mask(lens, width * self.block_size)
         prefills = []
         query_start = num_decodes
         for i in range(num_decodes, plan.num_sequences):
@@ -169,6 +194,8 @@ class ModelRunner:
             decode_block_ids=decode_blocks,
             decode_mask=mask,
             prefills=tuple(prefills),
+            decode_tables=tables,
+            decode_lens=lens if tables is not None else None,
         )
 
     def _blocks(self, tables: tuple[tuple[int, ...], ...], width: int) -> torch.Tensor:

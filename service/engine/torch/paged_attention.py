@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.triton_attention import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None  # pool rows of each decode's first N blocks (padded with 0)
     decode_mask: torch.Tensor | None  # [B, N * block_size] additive: 0 where visible, else -inf
     prefills: tuple[PrefillChunk, ...]
+    # Set instead of the two above where decodes attend through the Triton kernel (CUDA).
+    decode_tables: torch.Tensor | None = None  # [B, N] block ids (padded with the scratch block)
+    decode_lens: torch.Tensor | None = None  # [B] context lengths
 
 
 class PagedAttention:
@@ -63,12 +67,18 @@ class PagedAttention:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes])
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query)
-            out[rows] = self._prefill(layer, chunk, q[rows])
+            out[rows] = self._prefill(layer, chunk, q[rows], k[rows], v[rows])
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         # q: [B, Hq, D]: one query per request, B requests side by side in the batch dimension.
         meta = self.meta
+        if meta.decode_tables is not None and meta.decode_lens is not None:
+            scales = self.pool.scales[layer] if self.pool.scales is not None else None
+            return paged_decode_attention(
+                q, self.pool.data[layer], scales, self.pool.spec.cache_dtype, meta.decode_tables,
+                meta.decode_lens, self.scale,
+            )  # fmt: skip
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
         batch, length = meta.decode_mask.shape
         keys, values = self.pool.gather(layer, meta.decode_block_ids, q.dtype)  # [Hkv, B*L, D]
@@ -81,9 +91,18 @@ class PagedAttention:
         out = self._attend(queries, keys, values, mask, (num_kv_heads, batch, group, length))
         return out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1).reshape(batch, -1, head_dim)
 
-    def _prefill(self, layer: int, chunk: PrefillChunk, q: torch.Tensor) -> torch.Tensor:
-        # q: [S, Hq, D]: the chunk's queries against its whole context.
+    def _prefill(
+        self, layer: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [S, Hq, D]: the chunk's queries against its whole context; k, v: [S, Hkv, D], its own.
         keys, values = self.pool.gather(layer, chunk.block_ids, q.dtype)  # [Hkv, L, D]
+        if self.pool.spec.quantized:
+            # The chunk's own keys/values as computed, not as stored: a quantized cache loses
+            # precision only for what earlier steps wrote (so a prompt's first token never
+            # depends on the cache dtype).
+            start = chunk.context_len - chunk.num_query
+            keys[:, start : chunk.context_len] = k.transpose(0, 1)
+            values[:, start : chunk.context_len] = v.transpose(0, 1)
         num_kv_heads, length, head_dim = keys.shape
         rows, group = q.shape[0], self.num_heads // num_kv_heads
         # [S, Hq, D] -> [Hkv, G * S, D]

@@ -1,0 +1,146 @@
+"""Decode steps as replayed CUDA graphs: one graph per batch-size bucket, captured at start-up.
+
+A decode step launches the same ~1,300 kernels every time; launched one by one from Python that
+costs far more host time than the GPU needs to run them. Captured once into a CUDA graph per
+batch-size bucket, a step is one H2D copy of its inputs, one graph launch and the logits.
+
+The graphs read persistent device buffers that each step overwrites in place:
+
+    inputs [bucket_max, 4 + W] int64: token id, position, cache slot, context length, then the
+    request's block table (W = blocks of the longest context)
+
+A step with B sequences runs the smallest bucket >= B; rows B..bucket are padding: token 0 at
+position 0, writing its keys/values into the pool's scratch slot (never allocated to a request)
+and attending over that one slot, so padding never touches a request's cache. Attention reads
+the paged cache in place (triton_attention.paged_decode_attention), so nothing in a graph
+depends on a host-side value.
+
+Only steps whose every sequence decodes one token and samples run here; prefill and mixed steps
+run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from service.engine.models.llama import LlamaForCausalLM
+from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.step_plan import StepPlan
+from service.engine.torch.triton_attention import paged_decode_attention
+from service.util import cdiv
+
+log = logging.getLogger(__name__)
+
+# Columns of the inputs buffer before the block table.
+TOKEN, POSITION, SLOT, LENGTH, TABLE = 0, 1, 2, 3, 4
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, up to max_batch (always included)."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch]
+    buckets += list(range(8, min(max_batch, 64) + 1, 8)) + list(range(80, max_batch + 1, 16))
+    if not buckets or buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return sorted(set(buckets))
+
+
+class GraphDecodeAttention:
+    """The model's attention seam for a graph: writes the step's keys/values, then attends from
+    the paged cache, with every tensor a view of the persistent buffers."""
+
+    def __init__(
+        self, pool: KVPool, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, head_dim: int
+    ) -> None:
+        self.pool, self.slots, self.tables, self.lens = pool, slots, tables, lens
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.pool
+        pool.write(layer, self.slots, k, v)
+        scales = pool.scales[layer] if pool.scales is not None else None
+        return paged_decode_attention(
+            q, pool.data[layer], scales, pool.spec.cache_dtype, self.tables, self.lens, self.scale
+        )
+
+
+class CudaGraphDecoder:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, max_batch: int, max_model_len: int, device: torch.device
+    ) -> None:
+        self.model, self.pool, self.device = model, pool, device
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        width = cdiv(max_model_len, pool.spec.block_size)
+        shape = (self.max_batch, TABLE + width)
+        self.staging = torch.zeros(shape, dtype=torch.int64, pin_memory=True)
+        self.staged = self.staging.numpy()
+        self.inputs = torch.zeros(shape, dtype=torch.int64, device=device)
+        # What a padding row holds: token 0 at position 0, one slot of context: the scratch slot.
+        self.padding = np.zeros(shape[1], dtype=np.int64)
+        self.padding[SLOT] = pool.scratch_block * pool.spec.block_size
+        self.padding[LENGTH] = 1
+        self.padding[TABLE] = pool.scratch_block
+        self.staged[:] = self.padding
+        self.inputs.copy_(self.staging)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def can_run(self, plan: StepPlan) -> bool:
+        return (
+            plan.decode_only
+            and plan.num_sequences <= self.max_batch
+            and all(plan.sample)
+            and not any(plan.prompt_logits)
+        )
+
+    def capture(self) -> float:
+        """Capture every bucket's graph (largest first, sharing one memory pool); returns seconds."""
+        started = time.monotonic()
+        memory_pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                self._forward(bucket)  # warm-up: kernels compiled, workspaces allocated
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=memory_pool):
+                    self.logits[bucket] = self._forward(bucket)
+                self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        seconds = time.monotonic() - started
+        log.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s", len(self.graphs),
+                 self.buckets, seconds)  # fmt: skip
+        return seconds
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        inputs = self.inputs[:bucket]
+        attention = GraphDecodeAttention(
+            self.pool, inputs[:, SLOT], inputs[:, TABLE:], inputs[:, LENGTH], self.model.config.head_dim
+        )
+        hidden = self.model(inputs[:, TOKEN], inputs[:, POSITION], attention)  # [bucket, H]
+        return self.model.compute_logits(hidden)  # [bucket, V] float32
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's logits [B, V] (one row per sequence, in plan order)."""
+        count = plan.num_sequences
+        bucket = next(b for b in self.buckets if b >= count)
+        staged = self.staged
+        staged[:count, TOKEN] = plan.input_ids
+        staged[:count, POSITION] = plan.positions
+        staged[:count, SLOT] = plan.slot_mapping
+        staged[:count, LENGTH] = plan.context_lens
+        _fill_tables(staged, plan.block_tables)
+        staged[count:bucket] = self.padding
+        self.inputs[:bucket].copy_(self.staging[:bucket], non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:count]
+
+
+def _fill_tables(staged: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
+    for row, table in enumerate(tables):
+        staged[row, TABLE : TABLE + len(table)] = table
