@@ -126,3 +126,38 @@ def test_the_engine_decodes_the_same_through_the_kernel() -> None:
 
     gathered, kernel = asyncio.run(run())
     assert kernel == gathered
+
+
+def test_graph_inputs_reproduce_the_eager_step() -> None:
+    """What a decode graph replays (the staged input buffer, padded to its bucket with rows that
+    write only to the scratch block) gives the eager step's logits; runs eagerly here, captured
+    on a GPU."""
+    from service.config import load_settings
+    from service.engine.protocol import GenerationRequest, SamplingParams
+    from service.engine.torch.cuda_graphs import CudaGraphDecoder
+    from service.engine.torch.engine import _Submit
+    from service.engine.torch.loading import build_engine
+    from service.serving import config_for
+
+    settings = load_settings(num_threads=2, kv_cache_max_tokens=2048, max_model_len=256, dtype="float32")
+    engine = build_engine(config_for(settings))
+    engine.runner.decode_kernel = True
+    decoder = CudaGraphDecoder(engine.model, engine.kv_pool, 8, 256, torch.device("cpu"))
+    prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "One, two,", "Hi")]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine._admit(_Submit(GenerationRequest(f"g{i}", prompt, params), lambda out: None))
+    with torch.inference_mode():
+        engine._step()  # prefill all three
+        scheduled = engine.scheduler.schedule()
+        plan = engine._plan(scheduled)
+        assert decoder.can_run(plan) and plan.num_sequences == 3
+        scratch = engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block].clone()
+        eager, _ = engine.runner._logits(plan)
+        bucket = decoder.stage(plan)
+        assert bucket == 4  # one padding row
+        replayed = decoder.forward(bucket)[: plan.num_sequences]
+    assert torch.allclose(replayed, eager, atol=1e-4, rtol=1e-4)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    # The padding row wrote where nothing else lives.
+    assert not torch.equal(engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block], scratch)

@@ -78,7 +78,8 @@ class CudaGraphDecoder:
         self.max_batch = self.buckets[-1]
         width = cdiv(max_model_len, pool.spec.block_size)
         shape = (self.max_batch, TABLE + width)
-        self.staging = torch.zeros(shape, dtype=torch.int64, pin_memory=True)
+        # Pinned, so the step's one copy to the GPU is asynchronous (the graph waits for it in order).
+        self.staging = torch.zeros(shape, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staged = self.staging.numpy()
         self.inputs = torch.zeros(shape, dtype=torch.int64, device=device)
         # What a padding row holds: token 0 at position 0, one slot of context: the scratch slot.
@@ -105,11 +106,11 @@ class CudaGraphDecoder:
         memory_pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bucket in reversed(self.buckets):
-                self._forward(bucket)  # warm-up: kernels compiled, workspaces allocated
+                self.forward(bucket)  # warm-up: kernels compiled, workspaces allocated
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=memory_pool):
-                    self.logits[bucket] = self._forward(bucket)
+                    self.logits[bucket] = self.forward(bucket)
                 self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - started
@@ -117,7 +118,8 @@ class CudaGraphDecoder:
                  self.buckets, seconds)  # fmt: skip
         return seconds
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def forward(self, bucket: int) -> torch.Tensor:
+        """The bucket's step, eagerly, from the staged inputs: what its graph replays."""
         inputs = self.inputs[:bucket]
         attention = GraphDecodeAttention(
             self.pool, inputs[:, SLOT], inputs[:, TABLE:], inputs[:, LENGTH], self.model.config.head_dim
@@ -127,6 +129,12 @@ class CudaGraphDecoder:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """The plan's logits [B, V] (one row per sequence, in plan order)."""
+        bucket = self.stage(plan)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][: plan.num_sequences]
+
+    def stage(self, plan: StepPlan) -> int:
+        """Write the plan into the input buffer (padding the rest of its bucket); the bucket."""
         count = plan.num_sequences
         bucket = next(b for b in self.buckets if b >= count)
         staged = self.staged
@@ -137,8 +145,7 @@ class CudaGraphDecoder:
         _fill_tables(staged, plan.block_tables)
         staged[count:bucket] = self.padding
         self.inputs[:bucket].copy_(self.staging[:bucket], non_blocking=True)
-        self.graphs[bucket].replay()
-        return self.logits[bucket][:count]
+        return bucket
 
 
 def _fill_tables(staged: np.ndarray, tables: Sequence[Sequence[int]]) -> None:

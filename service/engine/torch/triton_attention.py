@@ -49,6 +49,7 @@ if triton is not None:
         stride_qb,
         stride_qh,
         stride_tb,
+        stride_lb,
         stride_ob,
         stride_oh,
         kv_stride,  # elements between k and v (Hkv * NB * BS * D)
@@ -66,7 +67,7 @@ if triton is not None:
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
-        context = tl.load(lens_ptr + seq)
+        context = tl.load(lens_ptr + seq * stride_lb)
 
         groups = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -142,8 +143,9 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     tile: int = 64,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; cache: one layer's [2, Hkv, NB, BS, D]; block_tables: [B, W] int32 (rows
-    padded with any valid block id); context_lens: [B] int32, each >= 1. Returns [B, Hq, D].
+    """q: [B, Hq, D]; cache: one layer's [2, Hkv, NB, BS, D]; block_tables: [B, W] integer (rows
+    padded with any valid block id); context_lens: [B] integer, each >= 1; both may be strided
+    views (of the CUDA graphs' input buffer). Returns [B, Hq, D].
 
     `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
     """
@@ -171,6 +173,7 @@ def paged_decode_attention(
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
+        context_lens.stride(0),
         out.stride(0),
         out.stride(1),
         num_kv_heads * head_stride,
