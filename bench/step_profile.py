@@ -7,8 +7,8 @@ steady-state decode in the real TorchEngine; then --steps decode steps are timed
 by wrapping the engine's own methods (nothing in the engine is changed for this):
 
 - step: the whole engine step (schedule, plan, forward, sampling, output processing, stats);
-- forward: the runner's forward pass (model + logits; on CUDA synchronised, so it includes the
-  GPU's time);
+- forward: the runner's forward pass (model + logits, eager or a replayed CUDA graph; on CUDA
+  synchronised, so it includes the GPU's time);
 - overhead = step - forward: what the engine adds per step, the figure the decode-speed issue
   bounds (1 ms at batch 1, 3 ms at batch 32 on the CPU).
 
@@ -51,10 +51,16 @@ LAUNCH_EVENTS = (
 class PhaseTimer:
     """Wraps a bound method so each call's wall time is recorded while `armed`."""
 
-    def __init__(self, owner: object, name: str, sync: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        owner: object,
+        name: str,
+        sync: Callable[[], None] | None = None,
+        times: list[float] | None = None,
+    ) -> None:
         self.owner, self.name, self.sync = owner, name, sync
         self.original = getattr(owner, name)
-        self.times: list[float] = []
+        self.times: list[float] = [] if times is None else times
         self.armed = False
         setattr(owner, name, self._call)
 
@@ -73,7 +79,10 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
     device = engine.config.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     step = PhaseTimer(engine, "_step")
-    forward = PhaseTimer(engine.runner, "_forward", sync)
+    forward = PhaseTimer(engine.runner, "_logits", sync)
+    timers = [step, forward]
+    if engine.runner.decode_graphs is not None:
+        timers.append(PhaseTimer(engine.runner.decode_graphs, "run", sync, forward.times))
     rng = random.Random(batch)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(batch)]
     total = args.warmup_steps + args.steps + args.profile_steps + 8
@@ -93,9 +102,11 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
             await asyncio.sleep(0.01)
         await asyncio.sleep(0)
         await asyncio.to_thread(wait_steps, engine, args.warmup_steps)
-        step.armed = forward.armed = True
+        for timer in timers:
+            timer.armed = True
         await asyncio.to_thread(wait_steps, engine, args.steps)
-        step.armed = forward.armed = False
+        for timer in timers:
+            timer.armed = False
         if device.type == "cuda" and args.profile_steps:
             result["profile"] = await asyncio.to_thread(profile_steps, engine, args.profile_steps)
         for task in tasks:
@@ -104,8 +115,8 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
 
     result: dict = {}
     asyncio.run(drive())
-    engine._step = step.original
-    engine.runner._forward = forward.original
+    for timer in timers:
+        setattr(timer.owner, timer.name, timer.original)
     n = min(len(step.times), len(forward.times))
     steps, forwards = step.times[:n], forward.times[:n]
     overheads = [s - f for s, f in zip(steps, forwards, strict=True)]
@@ -161,6 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=16, help="CUDA only: steps under torch.profiler")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model", default=None, help="NIM_MODEL_NAME (default: the embedded model)")
@@ -172,7 +184,8 @@ def main() -> None:
         dtype=args.dtype,
         max_num_seqs=max(64, *batches),
         max_num_batched_tokens=max(1024, *batches),
-        kv_cache_max_tokens=max(batches) * (args.input_len + 512) + 4096,
+        max_model_len=args.max_model_len,
+        kv_cache_max_tokens=max(batches) * (args.input_len + 512) + args.max_model_len,
     )
     started = time.monotonic()
     engine = build_engine(config_for(settings))

@@ -141,8 +141,8 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
 
     settings = load_settings(num_threads=2, kv_cache_max_tokens=2048, max_model_len=256, dtype="float32")
     engine = build_engine(config_for(settings))
-    engine.runner.decode_kernel = True
-    decoder = CudaGraphDecoder(engine.model, engine.kv_pool, 8, 256, torch.device("cpu"))
+    engine.runner.decode_kernel = True  # as on CUDA, where the graphs' attention is the kernel
+    decoder = CudaGraphDecoder(engine.model, engine.kv_pool, 8, 256, engine.config.device)
     prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "One, two,", "Hi")]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
