@@ -50,7 +50,8 @@ while [ $# -gt 0 ]; do
     for _ in $(seq 1 120); do [ -x "$LLAMA" ] && break; sleep 5; done
     tail -3 /tmp/llama_build.out
     ;;
-  kernels) python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py 2>&1 | tail -3 ;;
+  kernels) # the kernel alone (the engine tests in that file need the real model: test-gpu runs them)
+    python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "dense or buckets" 2>&1 | tail -3 ;;
   ckpt8b) python3 "$CARRY/tools/random_checkpoint.py" 8b "$CKPT" "$CARRY/tokenizer" ;;
   floor8b) python3 "$CARRY/tools/weight_read_floor.py" "$CKPT" | tee "$OUT/floor8b.txt" ;;
   compare)
