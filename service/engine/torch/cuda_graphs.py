@@ -94,7 +94,8 @@ class CudaGraphDecoder:
 
     def can_run(self, plan: StepPlan) -> bool:
         return (
-            plan.decode_only
+            bool(self.graphs)  # captured (the warm-up request before capture runs eagerly)
+            and plan.decode_only
             and plan.num_sequences <= self.max_batch
             and all(plan.sample)
             and not any(plan.prompt_logits)
