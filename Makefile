@@ -40,10 +40,11 @@ test: setup-test
 
 # On a machine with an NVIDIA GPU (and the CUDA torch it came with): the gpu-marked tests, then the
 # engine and API tests with the engine on CUDA (the default device there).
+# (The gpu-marked tests all live in tests/test_gpu.py.)
 test-gpu:
-	$(PYTHON) -m pytest -q -m gpu tests/
-	$(PYTHON) -m pytest -q tests/test_decode_kernels.py tests/test_engine.py tests/test_engine_failure.py \
-		tests/test_api_openai.py tests/test_api_sampling.py tests/test_api_errors.py tests/test_api_system.py
+	$(PYTHON) -m pytest -q tests/test_gpu.py tests/test_decode_kernels.py tests/test_engine.py \
+		tests/test_engine_failure.py tests/test_api_openai.py tests/test_api_sampling.py tests/test_api_errors.py \
+		tests/test_api_system.py
 
 lint: setup-test
 	$(PY) -m ruff check .

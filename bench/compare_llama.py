@@ -479,7 +479,7 @@ def main() -> None:
         props = get_json(f"{llama_url}/props") if llama_url else {}
         servers_info["llama"].update(
             url=llama_url,
-            model=models["llama"],
+            model=models.get("llama"),
             build_info=props.get("build_info"),
             total_slots=props.get("total_slots"),
             slot_n_ctx=(props.get("default_generation_settings") or {}).get("n_ctx"),
