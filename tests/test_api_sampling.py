@@ -13,7 +13,9 @@ import pytest
 from tests.conftest import EMBEDDED_NAME
 
 STORY = [{"role": "user", "content": "Write a short story about a cat who learns to fly."}]
-CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+# A question whose greedy answer has a clear margin at every token (over 1 nat), so it is the
+# same on a CPU and a GPU; "What is the capital of France?" ties within 0.1 nat on the first.
+CAPITAL = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")

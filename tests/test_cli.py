@@ -122,7 +122,7 @@ def test_create_model_store_serves_offline(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(
             model=EMBEDDED_NAME,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": "Name the capital of France."}],
             temperature=0,
             max_tokens=16,
         )

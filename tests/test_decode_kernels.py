@@ -151,7 +151,7 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
         engine._step()  # prefill all three
         scheduled = engine.scheduler.schedule()
         plan = engine._plan(scheduled)
-        assert decoder.can_run(plan) and plan.num_sequences == 3
+        assert decoder.fits(plan) and plan.num_sequences == 3
         scratch = engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block].clone()
         eager, _ = engine.runner._logits(plan)
         bucket = decoder.stage(plan)

@@ -205,9 +205,11 @@ def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, ca
     reference = next_token_predictions(engine, sequences, skip)
     quantized = make_engine(kv_cache_dtype=cache_dtype)
     try:
-        got = next_token_predictions(quantized, sequences, skip)
-        # The first greedy token (decided by the prompt alone) never changes.
+        # The first greedy token is decided by the prompt alone, computed in one chunk from the
+        # keys/values as computed (first, so that no prompt block comes from the prefix cache,
+        # where it is stored quantized): it never changes.
         first = run_all(quantized, [request(f"f{i}", p, max_tokens=1) for i, p in enumerate(prompts)])
+        got = next_token_predictions(quantized, sequences, skip)
     finally:
         asyncio.run(quantized.stop())
     agree = sum(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -51,7 +52,8 @@ model_runner.ModelRunner.execute = execute
 def test_a_step_that_fails_ends_everything_in_flight_and_the_process(tmp_path: Path) -> None:
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(FAULT)
-    server = start_server(tmp_path / "log", env={"PYTHONPATH": str(tmp_path / "inject")})
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    server = start_server(tmp_path / "log", env={"PYTHONPATH": path})
     try:
         wait_ready(server)
         frames: list[str] = []

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
@@ -32,12 +34,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if triton_ops.use_fused(x):
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
         x32 = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * x32.to(input_dtype)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(RMSNorm(x + residual), x + residual): a residual connection and the next norm."""
+        if triton_ops.use_fused(x):
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self.forward(summed), summed
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> Tensor:
@@ -119,11 +130,44 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cached[positions].to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
+    def for_positions(self, positions: Tensor, dtype: torch.dtype) -> Rope:
+        """What rotates this batch's q and k: one lookup shared by every layer, or the fused kernel."""
+        if triton_ops.use_fused(positions) and self.config.head_dim in (64, 128, 256):
+            return FusedRope(positions, self.cos_cached, self.sin_cached)
+        cos, sin = self.lookup(positions, dtype)  # [T, 1, D/2] each
+        return TableRope(cos, sin)
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [T, H, D]; cos, sin: [T, 1, D/2]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Rope(Protocol):
+    def __call__(self, x: Tensor) -> Tensor:
+        """Rotate x: [T, H, D] by each token's position (possibly in place); returns the result."""
+        ...
+
+
+@dataclass(frozen=True)
+class TableRope:
+    cos: Tensor  # [T, 1, D/2]
+    sin: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return apply_rope(x, self.cos, self.sin)
+
+
+@dataclass(frozen=True)
+class FusedRope:
+    positions: Tensor  # [T]
+    cos_table: Tensor  # [max_positions, D/2]
+    sin_table: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        triton_ops.rotary_(x, self.positions, self.cos_table, self.sin_table)
+        return x
 
 
 class LlamaAttention(nn.Module):
@@ -147,7 +191,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = None
             self.k_norm = None
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
+    def forward(self, hidden: Tensor, rope: Rope, attention: Attention) -> Tensor:
         # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
@@ -159,12 +203,12 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, -1)
             )
-            q = apply_rope(q, cos, sin)  # [T, Hq, D]
-            k = apply_rope(k, cos, sin)  # [T, Hkv, D]
+            q = rope(q)  # [T, Hq, D]
+            k = rope(k)  # [T, Hkv, D]
         else:
             # q and k are adjacent in qkv: rotate them with one call.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-            qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+            qk = rope(qk)  # [T, Hq + Hkv, D]
             # torch leaves Tensor.split unannotated.
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # type: ignore[no-untyped-call]
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
@@ -182,8 +226,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        down: Tensor = self.down_proj(F.silu(gate) * up)
+        if triton_ops.use_fused(gate_up):
+            activated = triton_ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
+        down: Tensor = self.down_proj(activated)
         return down
 
 
@@ -195,10 +243,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        mlp_out: Tensor = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + mlp_out
+    def forward(
+        self, hidden: Tensor, residual: Tensor | None, rope: Rope, attention: Attention
+    ) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual connection is
+        added by the next norm (the next layer's, or the final one), fused with it on CUDA."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attended = self.self_attn(normed, rope, attention)
+        normed, residual = self.post_attention_layernorm.add_forward(attended, residual)
+        mlp_out: Tensor = self.mlp(normed)
+        return mlp_out, residual
 
 
 class LlamaModel(nn.Module):
@@ -250,11 +308,13 @@ class LlamaForCausalLM(nn.Module):
 
         Positions index the RoPE tables, so each must be < max_position_embeddings.
         """
-        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.lookup(positions, hidden.dtype)  # [T, 1, D/2] each, shared by all layers
+        hidden: Tensor = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.for_positions(positions, hidden.dtype)
+        residual: Tensor | None = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, attention)
-        normed: Tensor = self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, attention)
+        assert residual is not None, "a model has at least one layer"
+        normed, _ = self.model.norm.add_forward(hidden, residual)
         return normed
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -93,9 +93,13 @@ class CudaGraphDecoder:
         self.logits: dict[int, torch.Tensor] = {}
 
     def can_run(self, plan: StepPlan) -> bool:
+        # Only once captured: the warm-up request before capture runs eagerly.
+        return bool(self.graphs) and self.fits(plan)
+
+    def fits(self, plan: StepPlan) -> bool:
+        """Whether a graph computes this step: every sequence decodes one token and samples."""
         return (
-            bool(self.graphs)  # captured (the warm-up request before capture runs eagerly)
-            and plan.decode_only
+            plan.decode_only
             and plan.num_sequences <= self.max_batch
             and all(plan.sample)
             and not any(plan.prompt_logits)

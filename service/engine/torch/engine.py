@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
@@ -59,6 +61,34 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
 IDLE_POLL_SECONDS = 0.5
+
+
+class LoopOutbox:
+    """Hands outputs from the engine thread to one event loop's queues, a batch at a time.
+
+    The first output after a flush schedules the next flush (one wake-up of the event loop); the
+    rest of a step's outputs join the batch without another: a step of 64 sequences wakes the
+    loop once, not 64 times.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []
+
+    def put(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
+        with self._lock:
+            self._items.append((queue, out))
+            if len(self._items) > 1:
+                return  # a flush is already scheduled
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for outputs, out in items:
+            outputs.put_nowait(out)
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,11 @@ class TorchEngine:
         self._stopping = False
         self._failure: str | None = None
         self._stats = EngineStats(kv_blocks_total=config.num_blocks)
+        # One per event loop that submits requests (normally the server's one); weakly held, so a
+        # loop that is closed and dropped (tests run many) takes its outbox with it.
+        self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopOutbox] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # --- Engine protocol (event-loop side) ------------------------------------------------------
 
@@ -166,12 +201,11 @@ class TorchEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            outbox = self._outboxes[loop] = LoopOutbox(loop)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:
-            # A closed event loop means nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(outputs.put_nowait, out)
+        sink = functools.partial(outbox.put, outputs)
 
         with self._inbox_lock:
             if self._failure is not None:

@@ -29,6 +29,20 @@ class SamplingRow:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits is the answer: nothing adjusts them, no logprobs wanted."""
+        p = self.params
+        return (
+            p.greedy
+            and p.logprobs is None
+            and not p.logit_bias
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            and not (p.min_tokens and self.num_generated < p.min_tokens)
+        )
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -47,6 +61,8 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """logits: [B, V] float32 (modified in place) -> one token per row."""
+    if all(row.plain_greedy for row in rows):  # the common case: one argmax, one copy to the host
+        return [SampledToken(token_id) for token_id in torch.argmax(logits, dim=-1).tolist()]
     raw_logprobs = _raw_logprobs(logits, rows)
     _apply_constraints(logits, rows)
     chosen = torch.argmax(logits, dim=-1)  # [B]; final for greedy rows
