@@ -16,6 +16,8 @@
 #   profile      engine overhead, launches and host time per decode step (the GGUF layout, and 8B)
 #   ours8b       our server on the 8B checkpoint at concurrency 1 and 64
 #   model PART.. reassemble the real embedded GGUF from carried parts; test-gpu: make test-gpu
+# Every phase's output also goes to OUT/session.log, so a call stopped at its time limit still
+# brings back what happened (pipe the script into nothing that a timeout kills first).
 set -u
 CARRY=$1 OUT=$2
 shift 2
@@ -23,6 +25,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1
 SMOL=/tmp/embedded.gguf CKPT=/tmp/ckpt8b LLAMA=/tmp/llama/llama.cpp/build/bin/llama-server
 EMBEDDED=model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
 phase_model() { # the remaining arguments are the parts, in order
   mkdir -p "$(dirname $EMBEDDED)"
@@ -59,13 +62,13 @@ while [ $# -gt 0 ]; do
       --concurrency 1 8 32 64 --rounds 2 --log-dir /tmp/compare --out "$OUT/compare_smol.json" >/dev/null
     ;;
   profile)
-    python3 bench/step_profile.py --model "$SMOL" --device cuda --batch 1 --batch 8 --batch 64 \
+    timeout 240 python3 bench/step_profile.py --model "$SMOL" --device cuda --batch 1 --batch 8 --batch 64 \
       >"$OUT/profile_smol.json" && tail -25 "$OUT/profile_smol.json"
-    [ -d "$CKPT" ] && python3 bench/step_profile.py --model "$CKPT" --device cuda --batch 1 --batch 64 \
+    [ -d "$CKPT" ] && timeout 240 python3 bench/step_profile.py --model "$CKPT" --device cuda --batch 1 --batch 64 \
       >"$OUT/profile_8b.json" && tail -25 "$OUT/profile_8b.json"
     ;;
   ours8b)
-    python3 bench/compare_llama.py --ours-only --ours-model "$CKPT" --concurrency 1 64 --rounds 2 \
+    timeout 300 python3 bench/compare_llama.py --ours-only --ours-model "$CKPT" --concurrency 1 64 --rounds 2 \
       --log-dir /tmp/ours8b --out "$OUT/ours8b.json" >/dev/null
     ;;
   model)

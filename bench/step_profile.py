@@ -99,6 +99,8 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
         tasks = [asyncio.create_task(one(i)) for i in range(batch)]
         # Wait until every request decodes (all prefills done), then for the warm-up steps.
         while engine.stats().num_waiting or not decoding.is_set():
+            if engine.failure is not None:
+                raise RuntimeError(f"the engine died: {engine.failure}")
             await asyncio.sleep(0.01)
         await asyncio.sleep(0)
         await asyncio.to_thread(wait_steps, engine, args.warmup_steps)
@@ -136,6 +138,8 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
 def wait_steps(engine: TorchEngine, count: int) -> None:
     start = engine.stats().num_steps
     while engine.stats().num_steps < start + count:
+        if engine.failure is not None:
+            raise RuntimeError(f"the engine died: {engine.failure}")
         time.sleep(0.001)
 
 

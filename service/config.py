@@ -226,6 +226,11 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_ENFORCE_EAGER"),
         description="1: run every step eagerly, without CUDA graphs (for debugging).",
     )
+    fused_kernels: bool = Field(
+        False,
+        validation_alias=_env("NIM_FUSED_KERNELS"),
+        description="1: on CUDA, run norms, SiLU-mul and RoPE as fused Triton kernels (experimental).",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

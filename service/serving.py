@@ -73,6 +73,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         ),
         lora=lora,
         enforce_eager=settings.enforce_eager,
+        fused_kernels=settings.fused_kernels,
         num_threads=settings.num_threads,
     )
 

@@ -107,6 +107,13 @@ def test_a_profile_field_the_engine_cannot_honour_is_refused(change: dict, messa
     assert "\n" not in str(refused.value)
 
 
+def test_fused_kernels_without_a_gpu_are_refused_not_ignored() -> None:
+    config = config_for(load_settings(fused_kernels=True))
+    assert config.fused_kernels
+    with pytest.raises(UnsupportedConfigError, match="NIM_FUSED_KERNELS=1 needs a CUDA device"):
+        load_engine(replace(config, device="cpu"))
+
+
 def test_lora_is_refused_not_ignored(tmp_path: Path) -> None:
     from service.engine.config import LoraConfig
 

@@ -108,10 +108,10 @@ def test_the_model_computes_the_same_through_the_fused_kernels(monkeypatch: pyte
     model = engine.model
     ids = torch.tensor(engine.tokenizer.encode("The quick brown fox jumps over"), device=engine.config.device)
     positions = torch.arange(ids.shape[0], device=ids.device)
+    monkeypatch.setattr(triton_ops, "runs_on", lambda x: True)  # the interpreter takes CPU tensors
     with torch.inference_mode():
-        monkeypatch.setattr(triton_ops, "use_fused", lambda x: False)
         plain = model.compute_logits(model(ids, positions, CausalAttention()))
-        monkeypatch.setattr(triton_ops, "use_fused", lambda x: True)
+        model.use_fused_kernels()
         fused = model.compute_logits(model(ids, positions, CausalAttention()))
     assert torch.allclose(fused, plain, atol=1e-4, rtol=1e-4)
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

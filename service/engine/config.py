@@ -68,4 +68,5 @@ class EngineConfig:
     kv_cache: KVCacheConfig
     lora: LoraConfig | None = None
     enforce_eager: bool = False  # no CUDA graphs or compiled steps (debugging)
+    fused_kernels: bool = False  # CUDA: Triton kernels for norms, SiLU-mul and RoPE
     num_threads: int | None = None  # CPU threads; None: every core the container may use

@@ -28,13 +28,15 @@ from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 
 
 class RMSNorm(nn.Module):
+    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if triton_ops.use_fused(x):
+        if self.fused and x.dim() == 2 and triton_ops.runs_on(x):
             return triton_ops.rms_norm(x, self.weight, self.eps)
         # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
         input_dtype = x.dtype
@@ -45,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(RMSNorm(x + residual), x + residual): a residual connection and the next norm."""
-        if triton_ops.use_fused(x):
+        if self.fused and triton_ops.runs_on(x):
             return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self.forward(summed), summed
@@ -101,6 +103,8 @@ class RotaryEmbedding(nn.Module):
     cos_cached: Tensor
     sin_cached: Tensor
 
+    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -132,7 +136,7 @@ class RotaryEmbedding(nn.Module):
 
     def for_positions(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         """What rotates this batch's q and k: one lookup shared by every layer, or the fused kernel."""
-        if triton_ops.use_fused(positions) and self.config.head_dim in (64, 128, 256):
+        if self.fused and triton_ops.runs_on(positions) and self.config.head_dim in (64, 128, 256):
             return FusedRope(positions, self.cos_cached, self.sin_cached)
         cos, sin = self.lookup(positions, dtype)  # [T, 1, D/2] each
         return TableRope(cos, sin)
@@ -217,6 +221,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -226,7 +232,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if triton_ops.use_fused(gate_up):
+        if self.fused and triton_ops.runs_on(gate_up):
             activated = triton_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -323,6 +329,13 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         logits: Tensor = self.lm_head(hidden)
         return logits.float()
+
+    def use_fused_kernels(self, enabled: bool = True) -> None:
+        """Run norms (with the residual add), SiLU-mul and RoPE as fused Triton kernels where the
+        tensors are on CUDA (service.engine.models.triton_ops); PyTorch's ops elsewhere."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaMLP | RotaryEmbedding):
+                module.fused = enabled
 
     def prepack_for_cpu(self) -> None:
         """Hold every linear layer, the logits projection included, in oneDNN's packed layout.

@@ -34,8 +34,8 @@ def available() -> bool:
     return triton is not None
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    """Fused kernels serve CUDA tensors (everywhere else the model runs PyTorch's ops)."""
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether these kernels can take `x`: a CUDA tensor, with triton installed."""
     return x.is_cuda and triton is not None
 
 

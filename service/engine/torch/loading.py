@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
+from service.engine.models import triton_ops
 from service.engine.models.config import ModelConfig
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.loader import build_model, load_gguf, load_safetensors_dir
@@ -43,6 +44,10 @@ def build_engine(
 ) -> TorchEngine:
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
+    if config.fused_kernels and (device.type != "cuda" or not triton_ops.available()):
+        raise UnsupportedConfigError(
+            "NIM_FUSED_KERNELS=1 needs a CUDA device and triton; unset it to run PyTorch's ops"
+        )
     if device.type == "cpu":
         torch.set_num_threads(config.num_threads or available_cpu_count())
     started = time.monotonic()
@@ -55,6 +60,8 @@ def build_engine(
         tokenizer = Tokenizer.from_directory(config.model_path)
     max_model_len = context_length(model_config, config.max_model_len)
     model = build_model(model_config, weights, dtype, device)
+    if config.fused_kernels:
+        model.use_fused_kernels()
     if prepacking_supported(dtype, device):
         model.prepack_for_cpu()
     log.info(
