@@ -596,6 +596,27 @@ def test_a_request_asking_for_prompt_logprobs_is_not_served_from_the_prefix_cach
     assert r2.num_cached_tokens == 0
 
 
+def test_requests_with_different_cache_salts_never_share_blocks() -> None:
+    """The hash chain starts from the salt (a LoRA adapter changes the keys/values of the same
+    tokens): equal prompts under different salts are different blocks; under the same salt, one."""
+    sched = make_scheduler(32)
+    shared = prompt(12, 16)
+    first = make_request("a1", [*shared, 1], max_tokens=1)
+    first.cache_salt = "adapter-a"
+    sched.add(first)
+    run_to_completion(sched)
+    other = make_request("b1", [*shared, 1], max_tokens=1)
+    other.cache_salt = "adapter-b"
+    unsalted = make_request("n1", [*shared, 1], max_tokens=1)
+    same = make_request("a2", [*shared, 1], max_tokens=1)
+    same.cache_salt = "adapter-a"
+    for request in (other, unsalted, same):
+        sched.add(request)
+        run_to_completion(sched)
+    assert (other.num_cached_tokens, unsalted.num_cached_tokens, same.num_cached_tokens) == (0, 0, 16)
+    assert len({tuple(r.full_block_hashes(BS)) for r in (first, other, unsalted)}) == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # preemption
 
