@@ -25,7 +25,7 @@ from service.metering import MeteredEngine
 from service.metrics import Metrics
 from service.model_store import ModelSource
 from service.planning import Plan, make_plan, model_source
-from service.util import one_line
+from service.util import on_new_thread, one_line
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ def bring_up_model(settings: Settings):  # -> service.api.app.BringUp
         def died(exc: BaseException) -> None:
             on_engine_death(f"engine failed: {one_line(exc, with_type=True)}")
 
-        loaded = await asyncio.to_thread(load_engine, config, died)
+        # Loading runs parallel CPU ops (weight prepacking); a thread that ends with it leaves no
+        # OpenMP pool behind to compete with the engine's own thread.
+        loaded = await on_new_thread(load_engine, config, died, name="engine-load")
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()
         info = ModelInfo(

@@ -5,11 +5,13 @@ at load time makes the skinny matmuls of decoding 1.2x (batch 32) to 4x (batch 1
 AVX-512 bf16 machine, with bit-identical results (measured in bench/README.md). Only used where
 PyTorch's oneDNN build supports it; everywhere else models keep plain `nn.Linear`.
 
-Batch invariance: oneDNN picks a different kernel (another K-blocking, so another summation
-order) for fewer than 8 rows, so a row's output would depend on how many rows share the call.
-Inputs with fewer rows are padded to 8; from 8 rows up (checked to 2048) every row's result is
-bitwise the same whatever the batch, which keeps greedy and seeded outputs independent of what
-else the engine batches with a request.
+Batch invariance: a row's result must not depend on how many rows share the call, which keeps
+greedy and seeded outputs independent of what else the engine batches with a request. From 8 rows
+up (checked to 2048) oneDNN computes every row the same way. Below 8 rows some oneDNN builds and
+CPUs pick a differently blocked kernel (another summation order), others do not; padding a small
+batch to 8 rows costs batch 1 about three times the linear time. So at load time each layer
+shape is probed once (`needs_padding`): small batches are padded only where the probe sees them
+computed differently.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ log = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any batch size works with it.
 BATCH_HINT = 32
-# Fewer rows than this run through a differently-blocked kernel (see the module docstring).
+# From this many rows up every row is computed alike; fewer may not be (see the module docstring).
 MIN_ROWS = 8
+# Batch sizes the probe compares against MIN_ROWS rows.
+PROBED_ROWS = (1, 2, 3, 5, 7)
 
 
 def prepacking_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -44,31 +48,53 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
+        self.pad_small = True  # pad batches under MIN_ROWS rows, unless needs_padding() says not
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features]
         rows = x.shape[0]
-        if rows < MIN_ROWS:
-            padded = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                padded, self.packed, self.bias, "none", [], ""
-            )
-            return out[:rows]
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if rows < MIN_ROWS and self.pad_small:
+            return self.matmul(torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])]))[:rows]
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed matmul itself, for any number of rows."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out
+
+    def needs_padding(self) -> bool:
+        """Whether this build and CPU compute a row of a small batch (under MIN_ROWS rows)
+        differently from the same row in a batch of MIN_ROWS or more."""
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * MIN_ROWS, self.in_features, generator=generator).to(self.dtype)
+        with torch.inference_mode():
+            reference = self.matmul(x)
+            return not all(torch.equal(self.matmul(x[:rows]), reference[:rows]) for rows in PROBED_ROWS)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` with a PackedLinear; returns how many were replaced."""
+    """Replace every nn.Linear in `model` with a PackedLinear, probing each distinct shape once
+    for whether small batches need padding; returns how many were replaced."""
     replaced = 0
+    padding: dict[tuple[int, int, torch.dtype], bool] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                packed = PackedLinear(child.weight, child.bias)
+                key = (packed.out_features, packed.in_features, packed.dtype)
+                if key not in padding:
+                    padding[key] = packed.needs_padding()
+                packed.pad_small = padding[key]
+                setattr(parent, name, packed)
                 replaced += 1
+    padded = sorted(f"{out}x{inp}" for (out, inp, _), pad in padding.items() if pad)
+    alike = "no shape: this CPU computes every row alike at any batch size"
+    log.info("prepacked %d linear layers; batches under %d rows are padded for %s", replaced, MIN_ROWS,
+             ", ".join(padded) or alike)  # fmt: skip
     return replaced

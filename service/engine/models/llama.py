@@ -345,6 +345,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.lm_head is None:  # tied: the embedding stays a plain tensor for lookups
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.lm_head.pad_small = self.lm_head.needs_padding()
         prepack_linears(self)
 
     def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
