@@ -67,12 +67,34 @@ class PackedLinear(nn.Module):
 
     def needs_padding(self) -> bool:
         """Whether this build and CPU compute a row of a small batch (under MIN_ROWS rows)
-        differently from the same row in a batch of MIN_ROWS or more."""
+        differently from the same row in a larger batch.
+
+        Kernel choice depends on the shapes, not the values, so the probe uses a layer of this
+        shape with weights of ones and inputs whose sum depends on the order of summation
+        (+-2**25 terms that cancel, among ones that float32 loses beside them): any difference
+        in blocking or split shows in the result. Random inputs hide most such differences,
+        which then flip a bf16 rounding once in thousands of values.
+        """
+        rows = 4 * MIN_ROWS
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(2 * MIN_ROWS, self.in_features, generator=generator).to(self.dtype)
+        x = torch.ones(rows, self.in_features)
+        quarter = self.in_features // 4
+        for row in range(rows):
+            order = torch.randperm(self.in_features, generator=generator)
+            x[row, order[:quarter]] = 2.0**25
+            x[row, order[quarter : 2 * quarter]] = -(2.0**25)
+        x = x.to(self.dtype)
+        ones = torch.ops.mkldnn._reorder_linear_weight(
+            torch.ones(self.out_features, self.in_features, dtype=self.dtype), BATCH_HINT
+        )
         with torch.inference_mode():
-            reference = self.matmul(x)
-            return not all(torch.equal(self.matmul(x[:rows]), reference[:rows]) for rows in PROBED_ROWS)
+
+            def matmul(m: int) -> torch.Tensor:
+                out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x[:m], ones, None, "none", [], "")
+                return out
+
+            reference = matmul(rows)
+            return not all(torch.equal(matmul(m), reference[:m]) for m in (*PROBED_ROWS, MIN_ROWS + 1))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"
