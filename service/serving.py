@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from service.api.app import BringUp, FatalHandler
 from service.api.state import ModelInfo, Ready
 from service.config import Settings
 from service.engine.config import (
@@ -84,10 +85,10 @@ def config_for(settings: Settings) -> EngineConfig:
     return engine_config(settings, plan, model_source(plan, settings))
 
 
-def bring_up_model(settings: Settings):  # -> service.api.app.BringUp
+def bring_up_model(settings: Settings) -> BringUp:
     """The API's BringUp for these settings: plan, fetch, load, meter and start the engine."""
 
-    async def bring_up(metrics: Metrics, on_engine_death) -> Ready:
+    async def bring_up(metrics: Metrics, on_engine_death: FatalHandler) -> Ready:
         plan = await asyncio.to_thread(make_plan, settings)
         for line in plan.selection.explanation:
             log.info("%s", line)

@@ -18,8 +18,6 @@ dense reference without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs may lack it.
@@ -127,9 +125,6 @@ if triton is not None:
 
 
 QUANT_CODES = {"int8": 1, "fp8": 2}
-# Under TRITON_INTERPRET=1 (tests without a GPU) kernels run in numpy, which has no bfloat16
-# arithmetic: the kernel then computes in float32 throughout, the same algorithm.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def paged_decode_attention(
@@ -160,6 +155,9 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     tile = max(block_size, tile // block_size * block_size)
+    # CPU tensors reach a Triton kernel only in Triton's interpreter (tests without a GPU), which
+    # runs in numpy without bfloat16 arithmetic: the kernel then computes in float32 throughout.
+    interpreted = q.device.type == "cpu"
     head_stride = num_blocks * block_size * head_dim
     scale_arg = scales if scales is not None else cache  # unused when QUANT == 0
     _paged_decode_kernel[(batch, num_kv_heads)](
@@ -186,7 +184,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tile,
         QUANT=quant,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
-        COMPUTE_F32=INTERPRETED,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        COMPUTE_F32=interpreted,
     )
     return out
