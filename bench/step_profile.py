@@ -192,7 +192,13 @@ def main() -> None:
         kv_cache_max_tokens=max(batches) * (args.input_len + 512) + args.max_model_len,
     )
     started = time.monotonic()
-    engine = build_engine(config_for(settings))
+    # Loaded on a thread that ends with the load, as the server does: the engine's own thread is
+    # then the only one holding an OpenMP pool (see TorchEngine.start).
+    built: list[TorchEngine] = []
+    loader = threading.Thread(target=lambda: built.append(build_engine(config_for(settings))))
+    loader.start()
+    loader.join()
+    engine = built[0]
     asyncio.run(engine.start())
     ready_s = time.monotonic() - started
     results = [run_batch(engine, b, args) for b in batches]
