@@ -11,7 +11,8 @@ import torch
 
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
-from service.engine.torch.triton_attention import paged_decode_attention, triton_available
+from service.engine.torch.triton_attention import paged_decode_attention
+from service.engine.triton_support import available as triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton (pip install triton)")
 

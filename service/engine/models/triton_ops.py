@@ -22,16 +22,9 @@ from typing import Any
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
+from service.engine.triton_support import available, tl, triton
 
-
-def available() -> bool:
-    return triton is not None
+__all__ = ["add_rms_norm", "available", "rms_norm", "rotary_", "runs_on", "silu_mul"]
 
 
 def runs_on(x: torch.Tensor) -> bool:

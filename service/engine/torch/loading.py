@@ -9,15 +9,14 @@ from collections.abc import Callable
 
 import torch
 
+from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
-from service.engine.models import triton_ops
 from service.engine.models.config import ModelConfig
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.loader import build_model, load_gguf, load_safetensors_dir
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
-from service.engine.torch.triton_attention import triton_available
 from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
 from service.tokenizer import Tokenizer
 from service.util import cdiv
@@ -44,7 +43,7 @@ def build_engine(
 ) -> TorchEngine:
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
-    if config.fused_kernels and (device.type != "cuda" or not triton_ops.available()):
+    if config.fused_kernels and (device.type != "cuda" or not triton_support.available()):
         raise UnsupportedConfigError(
             "NIM_FUSED_KERNELS=1 needs a CUDA device and triton; unset it to run PyTorch's ops"
         )
@@ -116,7 +115,7 @@ def build_engine(
 def decode_kernel_supported(spec: KVCacheSpec) -> bool:
     """Whether decodes can attend through the Triton kernel (and so run as CUDA graphs): it needs
     triton, and an fp8 cache needs a GPU that converts fp8 (compute capability 8.9+)."""
-    if not triton_available():
+    if not triton_support.available():
         log.warning("triton is not installed: decodes gather the cache and run eagerly, without graphs")
         return False
     if spec.cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):

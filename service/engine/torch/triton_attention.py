@@ -20,17 +20,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
-
-
-def triton_available() -> bool:
-    return triton is not None
-
+from service.engine.triton_support import tl, triton
 
 if triton is not None:
     # Triton ships no type information, and a kernel's parameters stay unannotated: triton.jit reads
