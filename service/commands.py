@@ -59,7 +59,8 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
     if explain:
         print("SELECTION")
         print(f"- {why}")
-        print("- ranking: TensorRT-LLM over torch, built for this GPU over generic, lower precision first,")
+        print("- ranking: native precision over emulated, TensorRT-LLM over torch, built for this GPU over")
+        print("  generic, lower precision first,")
         order = "smallest" if settings.profile_type == "throughput" else "largest"
         print(f"  {settings.profile_type} profiles first, then the {order} tp")
 
@@ -67,6 +68,8 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
 def _line(verdict: Verdict, selected: str | None, indent: str) -> str:
     marker = " (selected)" if verdict.profile.id == selected else ""
     detail = "" if verdict.status == "compatible" else f" [{verdict.summary()}]"
+    if verdict.status != "incompatible" and verdict.mode == "emulated":
+        detail = f" [emulated: {verdict.mode_note.removeprefix('emulated ')}]{detail}"
     return f"{indent}- {verdict.profile.id} ({verdict.profile.name}){marker}{detail}"
 
 

@@ -16,6 +16,7 @@ import gguf
 from service.config import Settings
 from service.engine.config import PRECISION_TAGS
 from service.engine.models.config import ModelConfig
+from service.engine.models.modelopt import checkpoint_quantization
 from service.engine.registry import ENGINES, available_engines
 from service.hardware import SystemInfo, detect_system, load_system
 from service.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
@@ -88,8 +89,15 @@ def manifest_for(settings: Settings) -> Manifest:
         return generic_manifest(served, str(path), _architecture(config), path.stat().st_size * 4)
     if path.is_dir():
         check_model_dir(path)
-        config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+        raw_config = json.loads((path / "config.json").read_text())
+        config = ModelConfig.from_hf_config(raw_config)
         weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        quantized = checkpoint_quantization(path, raw_config)
+        if quantized is not None:  # a ModelOpt checkpoint serves its own precision only
+            precisions = (quantized.precision,)
+            return generic_manifest(
+                served, str(path), _architecture(config), weights, precisions, quantized.precision
+            )
         return generic_manifest(served, str(path), _architecture(config), weights)
     if looks_like_hub_id(name):
         # No manifest and nothing local: generic torch profiles sized once the config is fetched.

@@ -1,20 +1,25 @@
 """Model profiles: which prebuilt precision/parallelism variant runs on this system, and why.
 
 Selection, in order:
-  1. Drop what cannot run, with the reason: the engine is not importable; the profile needs more
-     GPUs (tp x pp) than are visible, or a GPU at all; it was built for another GPU family; the
-     compute capability lacks the precision (fp8 needs 8.9+, nvfp4 10.0+, bf16 8.0+); or the
-     weights plus a KV cache for the full context do not fit per device by the KV formula
-     (2 x layers x kv_heads x head_dim x bytes per token, split over tp and pp).
+  1. Drop what cannot run, with the reason: the engine is not importable or refuses the profile;
+     the profile needs more GPUs (tp x pp) than are visible, or a GPU at all; it was built for
+     another GPU family; TensorRT-LLM's compute capability lacks the precision (fp8 needs 8.9+,
+     nvfp4 10.0+; bf16 needs 8.0+ on either engine); or the weights plus a KV cache for the full
+     context do not fit per device by the KV formula (2 x layers x kv_heads x head_dim x bytes per
+     token, split over tp and pp). The torch engine runs every precision, natively or emulated
+     (service.engine.precision): each verdict says which.
   2. A profile whose weights fit but whose full context does not is "low memory": it is offered
      with the longest context that fits (a multiple of 1,024 tokens, at least MIN_CONTEXT).
-  3. Rank the rest: TensorRT-LLM over torch, hardware-specific over generic, lower precision
-     first, the configured profile type (throughput or latency) first, then the smallest tp for
-     throughput (the largest for latency), LoRA-less and model-dtype KV cache before variants.
+  3. Rank the rest: native precision over emulated (an emulated profile runs when asked for, and
+     is never chosen over a native one), TensorRT-LLM over torch, hardware-specific over generic,
+     lower precision first, the configured profile type (throughput or latency) first, then the
+     smallest tp for throughput (the largest for latency), LoRA-less and model-dtype KV cache
+     before variants.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sysconfig
@@ -26,6 +31,8 @@ from typing import Any, Literal
 
 import yaml
 
+from service.engine.precision import Mode, precision_mode
+from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
 from service.hardware import SystemInfo
 from service.util import cdiv
@@ -45,18 +52,22 @@ Engine = Literal["tensorrt_llm", "torch"]
 Status = Literal["compatible", "low_memory", "incompatible"]
 
 PRECISIONS = ("nvfp4", "fp8", "int4_wo", "int8_wo", "bf16", "fp16", "fp32")
-# Minimum compute capability per precision (weights and compute).
+# Minimum compute capability per precision for TensorRT-LLM (the torch engine emulates what its
+# GPU lacks, except bf16, which it needs on either engine).
 MIN_CAPABILITY = {"nvfp4": (10, 0), "fp8": (8, 9), "bf16": (8, 0), "int4_wo": (7, 5), "int8_wo": (7, 5)}
-BYTES_PER_ELEMENT = {
-    "fp32": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "fp8": 1,
-    "int8": 1,
-    "nvfp4": 2,
-    "int4_wo": 2,
-    "int8_wo": 2,
+# Bytes per weight, scales included (int4 groups of 32 with 16-bit scale and zero; nvfp4 blocks
+# of 16 with an e4m3 scale).
+WEIGHT_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8_wo": 1.0,
+    "int4_wo": 0.625,
+    "nvfp4": 0.5625,
 }
+# Bytes per KV element of an explicit KV cache dtype ("auto" is the activation dtype).
+KV_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU's memory the engine may plan for
 CPU_MEMORY_UTILIZATION = 0.8
 RUNTIME_OVERHEAD_BYTES = 1 << 30  # activations, workspaces, CUDA context
@@ -171,9 +182,21 @@ def find_manifest(name: str, manifests: Iterable[Manifest]) -> Manifest | None:
     return None
 
 
-def generic_manifest(model: str, repo: str, arch: Architecture, weights_bytes: int) -> Manifest:
-    """Profiles for a model nobody wrote a manifest for: torch in bf16 (fp16, fp32 fallbacks)."""
-    weights_gb = weights_bytes / 1e9
+GENERIC_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8_wo", "int4_wo")
+
+
+def generic_manifest(
+    model: str,
+    repo: str,
+    arch: Architecture,
+    weights_bytes: int,
+    precisions: tuple[str, ...] = GENERIC_PRECISIONS,
+    bytes_precision: str = "bf16",
+) -> Manifest:
+    """Profiles for a model nobody wrote a manifest for: torch in bf16 (fp16, fp32 fallbacks), and
+    fp8, int8_wo and int4_wo quantized from them at load; a quantized checkpoint gets profiles of
+    its own precision only (`precisions`). `weights_bytes` is the size in `bytes_precision`."""
+    weights_gb = weights_bytes / 1e9 / WEIGHT_BYTES[bytes_precision]
     source = ArtifactSource(repo=repo, revision="main")
     profiles = tuple(
         Profile(
@@ -186,10 +209,10 @@ def generic_manifest(model: str, repo: str, arch: Architecture, weights_bytes: i
             profile="throughput",
             kv_cache_dtype="auto",
             feat_lora=False,
-            weights_gb=round(weights_gb * BYTES_PER_ELEMENT[precision] / 2, 3),
+            weights_gb=round(weights_gb * WEIGHT_BYTES[precision], 3),
             source=source,
         )
-        for precision in ("bf16", "fp16", "fp32")
+        for precision in precisions
     )
     return Manifest(model, (repo,), arch, profiles)
 
@@ -218,18 +241,21 @@ class Verdict:
     reasons: tuple[str, ...] = ()
     max_context: int | None = None  # the context that fits, for low-memory profiles
     required_gb_per_device: float = 0.0
+    mode: Mode = "native"  # how its precision runs here
+    mode_note: str = "native"  # why, in a phrase
 
     def summary(self) -> str:
         if self.status == "compatible":
-            return f"fits: {self.required_gb_per_device:.1f} GB per device"
+            fits = f"fits: {self.required_gb_per_device:.1f} GB per device"
+            return fits if self.mode == "native" else f"{fits}; {self.profile.precision} {self.mode_note}"
         return "; ".join(self.reasons)
 
 
 def kv_bytes_per_token_per_device(profile: Profile, arch: Architecture) -> float:
-    kv_dtype = profile.precision if profile.kv_cache_dtype == "auto" else profile.kv_cache_dtype
-    element = BYTES_PER_ELEMENT.get(kv_dtype, 2)
-    if kv_dtype in ("nvfp4", "int4_wo", "int8_wo"):  # weight-only / fp4 weights keep a 16-bit cache
-        element = 2
+    if profile.kv_cache_dtype == "auto":  # the activation dtype: fp32 for fp32 weights, else 16-bit
+        element = 4 if profile.precision == "fp32" else 2
+    else:
+        element = KV_BYTES.get(profile.kv_cache_dtype, 2)
     heads_per_device = max(1, arch.num_kv_heads // profile.tp)
     layers_per_device = cdiv(arch.num_layers, profile.pp)
     return 2 * layers_per_device * heads_per_device * arch.head_dim * element
@@ -257,8 +283,8 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
             reasons.append(f"needs an NVIDIA GPU; none found ({system.nvml_status})")
         elif devices > 1:
             reasons.append(f"needs {devices} GPUs; none found ({system.nvml_status})")
-        elif profile.precision not in ("bf16", "fp32"):
-            reasons.append(f"{profile.precision} needs a GPU; the CPU engine runs bf16 and fp32")
+        elif profile.precision == "fp16":
+            reasons.append("fp16 needs a GPU; on the CPU the engine computes in bf16 or fp32")
     else:
         if len(system.gpus) < devices:
             reasons.append(
@@ -268,6 +294,8 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
         if profile.gpu != "generic" and profile.gpu != family:
             reasons.append(f"built for {profile.gpu.upper()}; this system has {family.upper()}")
         needed = MIN_CAPABILITY.get(profile.precision)
+        if profile.llm_engine == "torch" and profile.precision != "bf16":
+            needed = None  # the torch engine emulates what the GPU lacks
         if needed is not None:
             low = min(g.compute_capability for g in gpus)
             if low < needed:
@@ -277,7 +305,23 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
                 )
     if reasons:
         return Verdict(profile, "incompatible", tuple(reasons))
-    return _check_memory(profile, arch, system, policy)
+    verdict = _check_memory(profile, arch, system, policy)
+    mode, note = _precision_mode(profile, system)
+    return dataclasses.replace(verdict, mode=mode, mode_note=note)
+
+
+def _precision_mode(profile: Profile, system: SystemInfo) -> tuple[Mode, str]:
+    """How the profile's precision runs here (TensorRT-LLM builds only what its GPU runs)."""
+    if profile.llm_engine != "torch":
+        return "native", "native"
+    device = "cuda" if system.gpus else "cpu"
+    capability = (
+        min(g.compute_capability for g in system.gpus[: profile.tp * profile.pp]) if system.gpus else None
+    )
+    return (
+        precision_mode(profile.precision, device, capability),
+        precision_why(profile.precision, device, capability),
+    )
 
 
 def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, policy: Policy) -> Verdict:
@@ -316,10 +360,13 @@ def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     p = verdict.profile
     family = system.gpus[0].family if system.gpus else "cpu"
     precision_rank = PRECISIONS.index(p.precision)
-    if not system.gpus and p.precision == "bf16" and "avx512_bf16" not in system.cpu.isa_flags:
-        precision_rank = PRECISIONS.index("fp32") + 1  # bf16 is emulated (slow) on this CPU
+    slow_bf16 = not ({"avx512_bf16", "amx_bf16"} & set(system.cpu.isa_flags))
+    if not system.gpus and slow_bf16 and p.precision in ("bf16", "int4_wo", "int8_wo"):
+        # bf16 (and the int kernels, which run fast only with bf16 activations) is slow on this CPU
+        precision_rank = PRECISIONS.index("fp32") + 1
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
+        verdict.mode == "emulated",
         0 if p.llm_engine == "tensorrt_llm" else 1,
         0 if p.gpu == family else 1,
         precision_rank,
@@ -361,12 +408,22 @@ def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: st
         why = [f"selected {chosen.profile.name} ({chosen.profile.id[:12]}) as requested by NIM_MODEL_PROFILE"]
         return Selection(chosen, verdicts, why + explain(verdicts))
     runnable = [v for v in verdicts if v.status == "compatible"]
+    low = [v for v in verdicts if v.status == "low_memory"]
+    native = [v for v in runnable if v.mode == "native"]
+    # An emulated profile is chosen only where no native one runs even with a shorter context.
+    native_low = [v for v in low if v.mode == "native"]
+    if not native and native_low and runnable:
+        emulated = ", ".join(v.profile.name for v in runnable)
+        raise ProfileError(
+            f"no profile of {manifest.model} runs natively with its full context here; with a shorter "
+            f"context: {native_low[0].profile.name} ({native_low[0].summary()}); profiles that fit but run "
+            f"emulated (slower) can be chosen with NIM_MODEL_PROFILE: {emulated}"
+        )
     if not runnable:
-        low = [v for v in verdicts if v.status == "low_memory"]
         hint = f"; with a shorter context: {low[0].profile.name} ({low[0].summary()})" if low else ""
         details = "; ".join(f"{v.profile.name}: {v.summary()}" for v in verdicts[:4])
         raise ProfileError(f"no profile of {manifest.model} fits this system ({details}){hint}")
-    chosen = runnable[0]
+    chosen = (native or runnable)[0]
     why = [
         f"selected {chosen.profile.name} ({chosen.profile.id[:12]}): {_why_first(chosen, runnable, system)}"
     ]
@@ -380,7 +437,7 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo)
         parts.append("TensorRT-LLM is preferred over torch")
     if p.gpu != "generic":
         parts.append(f"built for this GPU ({p.gpu.upper()})")
-    parts.append(f"lowest runnable precision ({p.precision})")
+    parts.append(f"lowest runnable precision ({p.precision}, {chosen.mode_note})")
     if len(runnable) > 1:
         parts.append(f"{len(runnable) - 1} other compatible profile(s) ranked lower")
     return "; ".join(parts)

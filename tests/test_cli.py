@@ -34,7 +34,7 @@ def run_cli(
     )
 
 
-def embedded_profile(name: str = "torch-generic-bf16-tp1-pp1-throughput"):
+def embedded_profile(name: str = "torch-generic-int4_wo-tp1-pp1-throughput"):
     manifest = find_manifest("embedded", load_manifests())
     assert manifest is not None
     return next(p for p in manifest.profiles if p.name == name)
@@ -55,14 +55,17 @@ def test_list_model_profiles_for_the_embedded_model() -> None:
     assert "SYSTEM INFO" in out and "MODEL PROFILES (smollm2-135m-instruct)" in out
     assert "Compatible with system and runnable:" in out
     selected = [line for line in out.splitlines() if "(selected)" in line]
-    assert len(selected) == 1 and "torch-generic-bf16-tp1-pp1-throughput" in selected[0]
+    assert len(selected) == 1 and "torch-generic-int4_wo-tp1-pp1-throughput" in selected[0]
     assert embedded_profile().id in selected[0]
     assert "tensorrt_llm is not installed" in out
     explanation = out.split("SELECTION")[1]
     assert (
-        "selected torch-generic-bf16-tp1-pp1-throughput" in explanation
-        and "lowest runnable precision" in explanation
+        "selected torch-generic-int4_wo-tp1-pp1-throughput" in explanation
+        and "lowest runnable precision (int4_wo, native" in explanation
     )
+    runnable = out.split("Compatible with system and runnable:")[1].split("Compatible with system but")[0]
+    fp8 = next(line for line in runnable.splitlines() if "torch-generic-fp8-" in line)
+    assert "[emulated:" in fp8 and "dequantized per layer" in fp8
 
 
 def test_list_model_profiles_on_an_injected_gpu_system() -> None:

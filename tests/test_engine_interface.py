@@ -97,7 +97,7 @@ def test_registry_reports_unavailable_engines_with_a_reason() -> None:
     [
         ({"tensor_parallel_size": 2}, "tensor parallelism"),
         ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
-        ({"precision": "fp8"}, "not fp8"),
+        ({"precision": "int2_wo"}, "not int2_wo"),
     ],
 )
 def test_a_profile_field_the_engine_cannot_honour_is_refused(change: dict, message: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,10 @@ def test_profile_ids_are_stable_content_hashes(manifests) -> None:
 @pytest.mark.parametrize(
     ("system_name", "model", "policy", "expected"),
     [
-        ("cpu_only", "embedded", TORCH_ONLY, "torch-generic-bf16-tp1-pp1-throughput"),
+        ("cpu_only", "embedded", TORCH_ONLY, "torch-generic-int4_wo-tp1-pp1-throughput"),
         ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", CONTAINER, "tensorrt_llm-h100-fp8-tp1-pp1-throughput"),
-        ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", TORCH_ONLY, "torch-generic-bf16-tp1-pp1-throughput"),
+        # fp8 runs natively on Hopper; nvfp4 (emulated there) ranks below it despite its lower bits
+        ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", TORCH_ONLY, "torch-generic-fp8-tp1-pp1-throughput"),
         (
             "h100x8",
             "meta-llama/Llama-3.3-70B-Instruct",
@@ -158,13 +161,15 @@ def test_reasons_for_incompatible_profiles(manifests) -> None:
 def test_low_memory_profiles_suggest_a_context(manifests) -> None:
     m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
     torch_bf16 = next(
-        v for v in assess(m, system("rtx4090_x1"), TORCH_ONLY) if v.profile.llm_engine == "torch"
+        v
+        for v in assess(m, system("rtx4090_x1"), TORCH_ONLY)
+        if v.profile.name == "torch-generic-bf16-tp1-pp1-throughput"
     )
     assert torch_bf16.status == "low_memory"
     assert torch_bf16.max_context and 1024 <= torch_bf16.max_context < 131072
     assert f"--max-model-len={torch_bf16.max_context}" in torch_bf16.summary()
     # With that context it fits.
-    shorter = Policy(engines=TORCH_ONLY.engines, max_model_len=torch_bf16.max_context)
+    shorter = Policy(engines=TORCH_ONLY.engines, max_model_len=torch_bf16.max_context, precision="bf16")
     chosen = select(
         manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct"), system("rtx4090_x1"), shorter
     ).chosen
@@ -203,8 +208,46 @@ def test_generic_profiles_for_unknown_models() -> None:
     m = generic_manifest("my-model", "/models/my-model", arch, weights_bytes=10_000_000)
     chosen = select(m, system("cpu_only"), TORCH_ONLY).chosen
     assert chosen.profile.llm_engine == "torch" and chosen.profile.gpu == "generic"
-    assert {p.precision for p in m.profiles} == {"bf16", "fp16", "fp32"}
+    assert {p.precision for p in m.profiles} == {"bf16", "fp16", "fp32", "fp8", "int8_wo", "int4_wo"}
     fp16 = next(
         v for v in select(m, system("cpu_only"), TORCH_ONLY).verdicts if v.profile.precision == "fp16"
     )
     assert fp16.status == "incompatible"
+
+
+def test_native_precision_ranks_above_emulated(manifests) -> None:
+    m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    # An A100 (8.0) has no fp8 tensor cores: the torch fp8 and nvfp4 profiles run emulated there.
+    verdicts = {v.profile.name: v for v in assess(m, system("a100_80gb_x1"), TORCH_ONLY)}
+    fp8 = verdicts["torch-generic-fp8-tp1-pp1-throughput"]
+    assert fp8.status == "compatible" and fp8.mode == "emulated"
+    assert "compute capability 8.9" in fp8.summary()
+    chosen = select(m, system("a100_80gb_x1"), TORCH_ONLY).chosen
+    assert chosen.mode == "native" and chosen.profile.precision == "bf16"
+    # Emulated profiles still run when asked for by name.
+    asked = select(m, system("a100_80gb_x1"), TORCH_ONLY, "torch-generic-fp8-tp1-pp1-throughput")
+    assert asked.chosen.mode == "emulated"
+    # On Hopper the same fp8 profile is native.
+    h100 = {v.profile.name: v for v in assess(m, system("h100x1"), TORCH_ONLY)}
+    assert h100["torch-generic-fp8-tp1-pp1-throughput"].mode == "native"
+    assert h100["torch-generic-int4_wo-tp1-pp1-throughput"].mode == "emulated"
+
+
+def test_cpu_runs_int_weights_natively_and_fp8_nvfp4_emulated(manifests) -> None:
+    m = manifest(manifests, "embedded")
+    verdicts = {v.profile.precision: v for v in assess(m, system("cpu_only"), TORCH_ONLY)}
+    assert verdicts["int4_wo"].mode == "native" and verdicts["int8_wo"].mode == "native"
+    assert verdicts["fp8"].mode == "emulated" and verdicts["fp8"].status == "compatible"
+
+
+def test_emulated_profiles_are_not_chosen_when_a_native_one_fits_with_a_shorter_context(manifests) -> None:
+    # 8B on a 24 GB CPU host: only the emulated fp8/nvfp4 profiles fit the full 128k context; the
+    # native int4 one fits a shorter one. Selection says so instead of picking a slow emulated one.
+    m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    host = system("cpu_only")
+    small = dataclasses.replace(host, cpu=dataclasses.replace(host.cpu, memory_total=24 * 2**30))
+    with pytest.raises(ProfileError, match=r"runs natively .* --max-model-len=.*NIM_MODEL_PROFILE"):
+        select(m, small, TORCH_ONLY)
+    # With the shorter context the native int4 profile is chosen.
+    shorter = Policy(engines=TORCH_ONLY.engines, max_model_len=32768)
+    assert select(m, small, shorter).chosen.profile.name == "torch-generic-int4_wo-tp1-pp1-throughput"

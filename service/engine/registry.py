@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.precision import TORCH_PRECISIONS
 from service.engine.protocol import LoadedEngine
 
 # Called from the engine's own thread when its step loop dies.
@@ -53,7 +54,7 @@ ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry(
         "torch",
         "service.engine.torch.loading",
-        EngineSupport(precisions=frozenset({"bf16", "fp16", "fp32"})),
+        EngineSupport(precisions=TORCH_PRECISIONS),
         needs="torch",
     ),
     "tensorrt_llm": EngineEntry(

@@ -25,6 +25,8 @@ from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
+from service.engine.models.quant import QuantizedWeight, concat_rows
+from service.engine.models.quant_linear import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -358,8 +360,16 @@ class LlamaForCausalLM(nn.Module):
         return start, sizes[shard]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into this model's parameters (casting dtype/device).
+    def load_weights(
+        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]], device: torch.device | None = None
+    ) -> None:
+        """Write HF-named checkpoint weights into this model (casting float tensors' dtype/device).
+
+        Float tensors are copied into their parameters; a parameter still on 'meta' is allocated
+        on ``device`` (in its own dtype) when first written. A quantized weight replaces its linear
+        layer with a QuantLinear (for fused layers, once every shard has arrived; shards must share
+        a format); a quantized embedding is dequantized (it is looked up, and the logits layer
+        stays in the activation dtype: see loader.target_format).
 
         Strict: every parameter (every shard of a fused one) must be written exactly once; unknown
         names, duplicates and shape mismatches raise. Rotary ``inv_freq`` buffers are ignored, and so
@@ -367,6 +377,7 @@ class LlamaForCausalLM(nn.Module):
         Also rebuilds the RoPE tables, which a model materialised from 'meta' lacks.
         """
         params = dict(self.named_parameters())
+        target_device = device if device is not None else next(iter(params.values())).device
         expected: set[tuple[str, int | None]] = set()
         for name in params:
             module_name = name.rsplit(".", 2)[-2]
@@ -377,36 +388,97 @@ class LlamaForCausalLM(nn.Module):
                 expected.add((name, None))
 
         loaded: set[tuple[str, int | None]] = set()
+        pending: dict[str, dict[int, QuantizedWeight]] = {}  # fused layer -> its quantized shards so far
         for checkpoint_name, tensor in weights:
             if checkpoint_name.endswith("rotary_emb.inv_freq"):
                 continue
-            if checkpoint_name == "lm_head.weight" and self.lm_head is None:
+            if checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target_name, shard = checkpoint_name, None
             parts = checkpoint_name.split(".")
             if len(parts) >= 3 and parts[-2] in _FUSED_SHARDS:
                 fused_name, shard = _FUSED_SHARDS[parts[-2]]
                 target_name = ".".join([*parts[:-2], fused_name, parts[-1]])
-            param = params.get(target_name)
-            if param is None:
+            if target_name not in params:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of this model")
             key = (target_name, shard)
             if key in loaded:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} appears more than once")
-            destination = param.data
+            start, size = 0, params[target_name].shape[0]
             if shard is not None:
                 start, size = self._shard_rows(target_name.split(".")[-2], shard)
-                destination = destination.narrow(0, start, size)
-            if tuple(tensor.shape) != tuple(destination.shape):
+            expected_shape = (size, *params[target_name].shape[1:])
+            if tuple(tensor.shape) != expected_shape:
                 raise ValueError(
                     f"checkpoint tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}; "
-                    f"expected {tuple(destination.shape)}"
+                    f"expected {expected_shape}"
                 )
-            destination.copy_(tensor)
             loaded.add(key)
+            if not isinstance(tensor, Tensor):
+                if target_name == "model.embed_tokens.weight":
+                    tensor = tensor.dequantize()
+                elif shard is None:
+                    self._quantize_layer(target_name, tensor, params, target_device)
+                    continue
+                else:
+                    shards = pending.setdefault(target_name, {})
+                    shards[shard] = tensor
+                    if len(shards) == (3 if target_name.endswith("qkv_proj.weight") else 2):
+                        fused = concat_rows([shards[i] for i in sorted(shards)])
+                        self._quantize_layer(target_name, fused, params, target_device)
+                        del pending[target_name]
+                    continue
+            if target_name in pending:
+                raise ValueError(f"{checkpoint_name!r} is float but other shards of its layer are quantized")
+            destination = self._materialize(target_name, params, target_device).data
+            destination.narrow(0, start, size).copy_(tensor)
 
         missing = expected - loaded
         if missing:
             names = sorted(_checkpoint_name(name, shard) for name, shard in missing)
             raise ValueError(f"checkpoint lacks {len(names)} parameter(s): {', '.join(names[:10])}")
+        if pending:
+            raise ValueError(f"fused layer(s) with quantized and float shards: {', '.join(sorted(pending))}")
+        if self.rotary.cos_cached.is_meta:
+            self.rotary.to_empty(device=target_device)
         self.rotary.reset_cache()
+
+    def _materialize(self, name: str, params: dict[str, nn.Parameter], device: torch.device) -> nn.Parameter:
+        """The parameter `name`, allocated on `device` if it is still on 'meta'."""
+        param = params[name]
+        if not param.is_meta:
+            return param
+        module_name, _, attr = name.rpartition(".")
+        real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+        self.get_submodule(module_name).register_parameter(attr, real)
+        params[name] = real
+        return real
+
+    def _quantize_layer(
+        self, weight_name: str, weight: QuantizedWeight, params: dict[str, nn.Parameter], device: torch.device
+    ) -> None:
+        """Replace the linear layer owning `weight_name` with one over `weight`."""
+        module_name = weight_name.rpartition(".")[0]
+        dtype = params[weight_name].dtype
+        # The bias Parameter itself (maybe still on 'meta'): _materialize finds it on the new layer.
+        bias = params.get(f"{module_name}.bias")
+        parent_name, _, attr = module_name.rpartition(".")
+        layer = make_linear(weight, bias, dtype, device)
+        setattr(self.get_submodule(parent_name), attr, layer)
+
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one decode step reads (the embedding table only where it is the logits
+        layer too): the numerator of achieved weight bandwidth."""
+        tensors: dict[int, Tensor] = {}
+        for module in self.modules():
+            if isinstance(module, nn.Embedding | RotaryEmbedding):
+                continue
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if isinstance(module, PackedLinear):
+                own += [module.packed] + ([] if module.bias is None else [module.bias])
+            tensors.update((id(t), t) for t in own)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.lm_head is None:  # tied float logits read the embedding table
+            table = self.model.embed_tokens.weight
+            total += table.numel() * table.element_size()
+        return total

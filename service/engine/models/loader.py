@@ -3,6 +3,11 @@
 Readers yield ``(hf_parameter_name, tensor)`` pairs one tensor at a time, so peak memory is the
 model plus one tensor. Only formats that cannot execute code are read: safetensors and GGUF.
 Pickle-based checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused, never unpickled.
+
+Weights come out in the profile's precision: a float tensor, or for quantized precisions the
+linear layers as a format value of service.engine.models.quant, taken directly from the file
+where its format maps exactly (GGUF Q4_0/Q4_1 for int4_wo, ModelOpt FP8/NVFP4 checkpoints) and
+quantized at load otherwise (`quantize_at_load`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,86 @@ from safetensors import safe_open
 
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.modelopt import checkpoint_quantization, read_quantized
+from service.engine.models.quant import (
+    Int4Weight,
+    QuantizationError,
+    QuantizedWeight,
+    gguf_q4_0,
+    gguf_q4_1,
+    quantize,
+)
+from service.engine.precision import FLOAT_PRECISIONS
 from service.model_store import PICKLE_SUFFIXES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+Weight = torch.Tensor | QuantizedWeight
+# Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).
+DEFAULT_INT4_GROUP = 128
+_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+def linear_role(name: str, config: ModelConfig) -> str | None:
+    """'layer' for a decoder layer's projection, 'logits' for the output projection (the
+    embedding when tied), None for anything else (norms, biases, an untied embedding)."""
+    if _LAYER_LINEAR.fullmatch(name):
+        return "layer"
+    if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):
+        return "logits"
+    return None
+
+
+def target_format(precision: str, role: str | None) -> str | None:
+    """The format a weight of this role is held in under `precision` (None: float).
+
+    The logits layer stays in the activation dtype under every precision: requantizing a GGUF
+    file's Q8_0 output matrix per row cost the embedded model 0.2% perplexity, and the bf16
+    matmul is as fast at batch 1 and faster at batch 32 than the int8 kernel on the CPU
+    (bench/README.md); ModelOpt exports exclude lm_head too.
+    """
+    if role != "layer" or precision in FLOAT_PRECISIONS:
+        return None
+    return precision
+
+
+def quantize_at_load(
+    weights: Iterable[tuple[str, Weight]],
+    precision: str,
+    config: ModelConfig,
+    int4_group: int = DEFAULT_INT4_GROUP,
+) -> Iterator[tuple[str, Weight]]:
+    """Float weights of quantized roles quantized into `precision`'s formats; the rest as given."""
+    for name, tensor in weights:
+        target = target_format(precision, linear_role(name, config))
+        if target is not None and isinstance(tensor, torch.Tensor):
+            if target == "nvfp4":
+                raise QuantizationError(
+                    f"{name}: nvfp4 weights are read from ModelOpt NVFP4 checkpoints, not quantized at load"
+                )
+            yield name, quantize(tensor, target, name, int4_group)
+        else:
+            yield name, tensor
+
+
+def load_hf_dir(path: Path, precision: str) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+    """An HF checkpoint directory: its config, and its weights in `precision` (see the module doc).
+
+    A quantized (ModelOpt) checkpoint serves only its own precision; anything else is refused
+    before a tensor is read.
+    """
+    raw_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf_config(raw_config)
+    files = _safetensors_files(path)
+    quant = checkpoint_quantization(path, raw_config)
+    if quant is None:
+        return config, quantize_at_load(_read_safetensors(files), precision, config)
+    if quant.precision != precision:
+        raise QuantizationError(
+            f"{path} is a ModelOpt {quant.quant_algo} checkpoint: it serves as {quant.precision}, "
+            f"not {precision}; choose one of its {quant.precision} profiles"
+        )
+    return config, read_quantized(files, quant)
 
 
 def load_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -127,17 +209,28 @@ def dequantize_gguf_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return array
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """Read a GGUF file: its config, and its tensors dequantized to float32 under HF names.
+def load_gguf(path: Path, precision: str = "fp32") -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+    """Read a GGUF file: its config, and its tensors under HF names in `precision`: float32 for
+    float precisions (cast by the model), Q4_0/Q4_1 blocks as int4 directly under int4_wo, the
+    rest quantized at load (int4 groups of 32, as the file's own).
 
-    The file is memory-mapped; tensors are dequantized one at a time as the iterator is consumed.
+    The file is memory-mapped; tensors are read one at a time as the iterator is consumed.
     """
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf(reader)
-    return config, _read_gguf_tensors(reader, config)
+    if precision == "nvfp4":
+        raise QuantizationError(
+            f"{path}: nvfp4 weights are read from ModelOpt NVFP4 checkpoints, not GGUF files"
+        )
+    return config, quantize_at_load(_read_gguf_tensors(reader, config, precision), precision, config, 32)
 
 
-def _read_gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+_GGUF_INT4 = {gguf.GGMLQuantizationType.Q4_0: gguf_q4_0, gguf.GGMLQuantizationType.Q4_1: gguf_q4_1}
+
+
+def _read_gguf_tensors(
+    reader: gguf.GGUFReader, config: ModelConfig, precision: str
+) -> Iterator[tuple[str, Weight]]:
     # llama.cpp permutes q/k only for the llama architecture (its non-NeoX RoPE); qwen2/qwen3 use
     # NeoX RoPE and are stored as in HF.
     permuted = config.architecture == "llama"
@@ -145,30 +238,48 @@ def _read_gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
         hf_name = gguf_to_hf_name(tensor.name)
-        array = dequantize_gguf_tensor(tensor)
+        heads = None
         if permuted and ".self_attn.q_proj." in hf_name:
-            array = unpermute_llama_rope_rows(array, config.num_heads)
+            heads = config.num_heads
         elif permuted and ".self_attn.k_proj." in hf_name:
-            array = unpermute_llama_rope_rows(array, config.num_kv_heads)
+            heads = config.num_kv_heads
+        direct = _GGUF_INT4.get(tensor.tensor_type)
+        if direct is not None and target_format(precision, linear_role(hf_name, config)) == "int4_wo":
+            k, n = (int(d) for d in tensor.shape.tolist())
+            weight = direct(np.asarray(tensor.data), n, k)
+            if heads is not None:
+                q, scale, zero = (_unpermute_rows(t, heads) for t in (weight.q, weight.scale, weight.zero))
+                weight = Int4Weight(q, scale, zero, weight.group_size)
+            yield hf_name, weight.validate(hf_name)
+            continue
+        array = dequantize_gguf_tensor(tensor)
+        if heads is not None:
+            array = unpermute_llama_rope_rows(array, heads)
         if not array.flags.writeable:  # a view of the read-only memory map (F32 tensors)
             array = array.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(array))
 
 
+def _unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(unpermute_llama_rope_rows(t.numpy(), num_heads)))
+
+
 def build_model(
     config: ModelConfig,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Weight]],
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> LlamaForCausalLM:
-    """Build the model on 'meta', allocate it once in ``dtype`` on ``device``, and load ``weights``.
+    """Build the model on 'meta' and load ``weights`` onto ``device``: each float parameter is
+    allocated in ``dtype`` when it is first written, and quantized weights replace their linear
+    layers, so no full-precision copy of a quantized layer is ever allocated.
 
     Returns the model in eval mode with gradients off.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(weights)
+    model = model.to(dtype=dtype)
+    model.load_weights(weights, device=torch.device(device))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -13,7 +12,9 @@ from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
 from service.engine.models.config import ModelConfig
 from service.engine.models.cpu_linear import prepacking_supported
-from service.engine.models.loader import build_model, load_gguf, load_safetensors_dir
+from service.engine.models.loader import build_model, load_gguf, load_hf_dir
+from service.engine.models.quant import QuantizationError
+from service.engine.precision import FLOAT_PRECISIONS, precision_mode
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
@@ -50,25 +51,36 @@ def build_engine(
     if device.type == "cpu":
         torch.set_num_threads(config.num_threads or available_cpu_count())
     started = time.monotonic()
-    if config.model_format == "gguf":
-        model_config, weights = load_gguf(config.model_path)
-        tokenizer = Tokenizer.from_gguf(config.model_path)
-    else:
-        model_config = ModelConfig.from_hf_config(json.loads((config.model_path / "config.json").read_text()))
-        weights = load_safetensors_dir(config.model_path)
-        tokenizer = Tokenizer.from_directory(config.model_path)
-    max_model_len = context_length(model_config, config.max_model_len)
-    model = build_model(model_config, weights, dtype, device)
+    quantized = config.precision not in FLOAT_PRECISIONS
+    if quantized and config.precision == "fp8" and device.type == "cuda" and dtype == torch.float32:
+        raise UnsupportedConfigError("fp8 profiles compute in bf16 or fp16 on CUDA; unset NIM_DTYPE=float32")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    mode = precision_mode(config.precision, device.type, capability)
+    try:
+        if config.model_format == "gguf":
+            model_config, weights = load_gguf(config.model_path, config.precision)
+            tokenizer = Tokenizer.from_gguf(config.model_path)
+        else:
+            model_config, weights = load_hf_dir(config.model_path, config.precision)
+            tokenizer = Tokenizer.from_directory(config.model_path)
+        max_model_len = context_length(model_config, config.max_model_len)
+        model = build_model(model_config, weights, dtype, device)
+    except QuantizationError as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     if config.fused_kernels:
         model.use_fused_kernels()
     if prepacking_supported(dtype, device):
         model.prepack_for_cpu()
     log.info(
-        "loaded %s (%s, %d layers) on %s in %s, context %d, in %.1f s",
+        "loaded %s (%s, %d layers) on %s, %s weights (%s, %.0f MB read per step), %s activations, "
+        "context %d, in %.1f s",
         config.model_path,
         model_config.architecture,
         model_config.num_layers,
         device,
+        config.precision if quantized else PRECISION_NAMES[dtype],
+        mode,
+        model.weight_nbytes() / 1e6,
         dtype,
         max_model_len,
         time.monotonic() - started,
@@ -100,8 +112,8 @@ def build_engine(
         architecture=model_config.architecture,
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,
-        weight_precision=PRECISION_NAMES[dtype],
-        precision_mode="native",
+        weight_precision=config.precision if quantized else PRECISION_NAMES[dtype],
+        precision_mode=mode,
         kv_cache_dtype=kv_spec.name,
         kv_block_size=kv_spec.block_size,
         kv_num_blocks=num_blocks,

@@ -1,0 +1,216 @@
+"""Linear layers over quantized weights (service.engine.models.quant), native or emulated.
+
+A layer runs *natively* where a kernel consumes its format directly, and is *emulated* elsewhere:
+the weight stays quantized in memory and is dequantized into the activation dtype for each call.
+
+| format   | CPU                                    | CUDA                                         |
+|----------|----------------------------------------|----------------------------------------------|
+| int4_wo  | native: aten._weight_int4pack_mm_for_cpu | emulated                                   |
+| int8_wo  | native: aten._weight_int8pack_mm       | emulated                                     |
+| fp8      | emulated                               | native from compute capability 8.9: _scaled_mm |
+| nvfp4    | emulated                               | emulated                                     |
+
+Emulation computes weight-only: activations are not quantized, so an emulated fp8 layer is the
+dequantized weight applied in the activation dtype (as vLLM's weight-only FP8 fallback). The
+native fp8 layer quantizes activations to e4m3 too: with the checkpoint's static input scale
+where it has one, else with one scale per token computed at run time.
+
+`precision_mode` (service.engine.precision) states the same table for selection; a test holds the
+two together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.engine.models.quant import (
+    FP8_MAX,
+    FP8Weight,
+    Int4Weight,
+    Int8Weight,
+    NVFP4Weight,
+    QuantizationError,
+    QuantizedWeight,
+)
+from service.engine.precision import precision_mode as _precision_mode
+
+
+def precision_mode(precision: str, device: torch.device) -> str:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return _precision_mode(precision, device.type, capability)
+
+
+# The CPU int4 packing needs the output rows in multiples of this; other layers are padded.
+INT4_CPU_ROW_MULTIPLE = 16
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b for a quantized W; subclasses hold the format's tensors as buffers."""
+
+    precision: str
+    native: bool
+
+    def __init__(self, shape: tuple[int, int], bias: nn.Parameter | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = shape
+        self.dtype = dtype
+        self.bias = bias
+
+    def weight_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        mode = "native" if self.native else "emulated"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.precision} {mode}"
+
+
+class Int4Linear(QuantLinear):
+    precision = "int4_wo"
+    packed: Tensor  # native: uint8, aten's CPU int4 layout
+    scales_zeros: Tensor  # native: [K / group, N, 2]
+    q: Tensor  # emulated: the format's tensors
+    scale: Tensor
+    zero: Tensor
+
+    def __init__(
+        self, weight: Int4Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(weight.shape, bias, dtype)
+        self.group_size = weight.group_size
+        self.native = precision_mode("int4_wo", device) == "native"
+        if self.native:
+            n, k = weight.shape
+            rows = -(-n // INT4_CPU_ROW_MULTIPLE) * INT4_CPU_ROW_MULTIPLE
+            q, scale, zero = weight.q, weight.scale, weight.zero
+            if rows != n:  # pad with zero rows; their outputs are sliced off
+                q = torch.cat([q, q.new_full((rows - n, k), 8)])
+                scale = torch.cat([scale, scale.new_zeros(rows - n, scale.shape[1])])
+                zero = torch.cat([zero, zero.new_zeros(rows - n, zero.shape[1])])
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            # [K / group, N, 2]: (scale, zero) per group and row, in the activation dtype.
+            scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+            self.register_buffer("packed", packed.to(device))
+            self.register_buffer("scales_zeros", scales_zeros.to(device))
+        else:
+            self.register_buffer("q", weight.q.to(device))
+            self.register_buffer("scale", weight.scale.to(device))
+            self.register_buffer("zero", weight.zero.to(device))
+
+    def dequantized(self) -> Tensor:
+        if self.native:
+            raise RuntimeError("packed int4 weights are not dequantized")
+        return Int4Weight(self.q, self.scale, self.zero, self.group_size).dequantize().to(self.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.native:
+            return F.linear(x, self.dequantized(), self.bias)
+        out = cast(
+            Tensor,
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros),
+        )
+        if out.shape[-1] != self.out_features:
+            out = out[..., : self.out_features]
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(QuantLinear):
+    precision = "int8_wo"
+    q: Tensor
+    scale: Tensor
+
+    def __init__(
+        self, weight: Int8Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(weight.shape, bias, dtype)
+        self.native = precision_mode("int8_wo", device) == "native"
+        self.register_buffer("q", weight.q.to(device))
+        # The CPU kernel takes the scales in the activation dtype.
+        self.register_buffer("scale", weight.scale.to(device, dtype if self.native else torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.native:
+            out = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale))
+            return out if self.bias is None else out + self.bias
+        weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
+        return F.linear(x, weight, self.bias)
+
+
+class FP8Linear(QuantLinear):
+    precision = "fp8"
+    q: Tensor
+    scale: Tensor
+    input_scale: Tensor
+
+    def __init__(
+        self, weight: FP8Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(weight.shape, bias, dtype)
+        self.native = precision_mode("fp8", device) == "native"
+        if self.native and dtype not in (torch.bfloat16, torch.float16):
+            raise QuantizationError(f"native fp8 matmuls produce bf16 or fp16, not {dtype}")
+        self.register_buffer("q", weight.q.to(device))
+        self.register_buffer("scale", weight.scale.to(device))
+        self.static_input = weight.input_scale is not None
+        if weight.input_scale is not None:
+            self.register_buffer("input_scale", weight.input_scale.reshape(1, 1).float().to(device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.native:
+            weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
+            return F.linear(x, weight, self.bias)
+        if self.static_input:
+            x_scale = self.input_scale.expand(x.shape[0], 1)
+        else:  # one scale per token
+            x_scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+        x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out: Tensor = torch._scaled_mm(
+            x_q,
+            self.q.t(),
+            scale_a=x_scale.contiguous(),
+            scale_b=self.scale.view(1, -1),
+            bias=None if self.bias is None else self.bias.to(self.dtype),
+            out_dtype=self.dtype,
+        )
+        return out
+
+
+class NVFP4Linear(QuantLinear):
+    precision = "nvfp4"
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+
+    def __init__(
+        self, weight: NVFP4Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(weight.shape, bias, dtype)
+        self.native = precision_mode("nvfp4", device) == "native"
+        if self.native:  # precision_mode never says so in this release; kept honest here too
+            raise QuantizationError("native nvfp4 matmuls are not built; nvfp4 runs emulated")
+        self.register_buffer("packed", weight.packed.to(device))
+        self.register_buffer("block_scale", weight.block_scale.to(device))
+        self.register_buffer("global_scale", weight.global_scale.to(device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = NVFP4Weight(self.packed, self.block_scale, self.global_scale).dequantize().to(self.dtype)
+        return F.linear(x, weight, self.bias)
+
+
+_LINEARS: dict[type, type[QuantLinear]] = {
+    Int4Weight: Int4Linear,
+    Int8Weight: Int8Linear,
+    FP8Weight: FP8Linear,
+    NVFP4Weight: NVFP4Linear,
+}
+
+
+def make_linear(
+    weight: QuantizedWeight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
+) -> QuantLinear:
+    layer_type: Any = _LINEARS[type(weight)]  # each takes its own format
+    layer: QuantLinear = layer_type(weight, bias, dtype, device)
+    return layer
