@@ -29,7 +29,7 @@ def test_version_and_metadata(base_url: str) -> None:
     assert meta["modelInfo"][0]["modelUrl"].endswith(".gguf")
     profile = meta["selectedProfile"]
     assert profile["tags"]["llm_engine"] == "torch"
-    assert profile["tags"]["precision"] in {"bf16", "fp32", "fp16"}
+    assert profile["tags"]["precision"] == "int4_wo"  # the embedded default (its Q4_1 blocks as int4)
     assert set(meta["versions"]) >= {"service", "torch", "python"}
 
 

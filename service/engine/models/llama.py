@@ -25,7 +25,7 @@ from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
-from service.engine.models.quant import QuantizedWeight, concat_rows
+from service.engine.models.quant import QuantizationError, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
 
 
@@ -424,7 +424,10 @@ class LlamaForCausalLM(nn.Module):
                     shards = pending.setdefault(target_name, {})
                     shards[shard] = tensor
                     if len(shards) == (3 if target_name.endswith("qkv_proj.weight") else 2):
-                        fused = concat_rows([shards[i] for i in sorted(shards)])
+                        try:
+                            fused = concat_rows([shards[i] for i in sorted(shards)])
+                        except QuantizationError as error:
+                            raise QuantizationError(f"{target_name}: {error}") from error
                         self._quantize_layer(target_name, fused, params, target_device)
                         del pending[target_name]
                     continue

@@ -66,6 +66,17 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return first.concat(parts)
 
 
+def _fused_input_scale(parts: list[Any], kind: str) -> Tensor | None:
+    """Fused shards share one activation: quantize it with the largest of their static scales
+    (no shard's activations clip), as vLLM does. All shards have one, or none."""
+    scales = [p.input_scale for p in parts]
+    if all(s is None for s in scales):
+        return None
+    if any(s is None for s in scales):
+        raise QuantizationError(f"cannot fuse {kind} shards where only some have an input_scale")
+    return torch.stack([s.reshape(()) for s in scales]).amax()
+
+
 def _check(condition: bool, name: str, problem: str) -> None:
     if not condition:
         raise QuantizationError(f"{name}: {problem}")
@@ -210,15 +221,8 @@ class FP8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
     def concat(self, parts: list[FP8Weight]) -> FP8Weight:
-        # Fused shards share one activation: quantize it with the largest of their static scales
-        # (no shard's activations clip), as vLLM does.
-        scales = [p.input_scale for p in parts]
-        input_scale = None
-        if all(s is not None for s in scales):
-            input_scale = torch.stack([s.reshape(()) for s in scales if s is not None]).amax()
-        elif any(s is not None for s in scales):
-            raise QuantizationError("cannot fuse fp8 shards where only some have an input_scale")
-        return FP8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), input_scale)
+        q = torch.cat([p.q for p in parts])
+        return FP8Weight(q, torch.cat([p.scale for p in parts]), _fused_input_scale(parts, "fp8"))
 
     @staticmethod
     def quantize(weight: Tensor) -> FP8Weight:
@@ -285,15 +289,11 @@ class NVFP4Weight:
         return self.packed.numel() + self.block_scale.numel() + self.global_scale.numel() * 4
 
     def concat(self, parts: list[NVFP4Weight]) -> NVFP4Weight:
-        scales = [p.input_scale for p in parts]
-        input_scale = None
-        if all(s is not None for s in scales):
-            input_scale = torch.stack([s.reshape(()) for s in scales if s is not None]).amax()
         return NVFP4Weight(
             torch.cat([p.packed for p in parts]),
             torch.cat([p.block_scale for p in parts]),
             torch.cat([p.global_scale for p in parts]),
-            input_scale,
+            _fused_input_scale(parts, "nvfp4"),
         )
 
 
