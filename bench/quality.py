@@ -117,7 +117,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded model")
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "int8_wo", "int4_wo", "fp8"])
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "int4_wo", "int8_wo", "fp32", "fp8"])
     parser.add_argument("--reference", default="bf16")
     parser.add_argument("--text", type=Path, default=REPO / "tests/data/perplexity.txt")
     parser.add_argument("--prompts", type=Path, default=REPO / "tests/data/prompts.txt")
@@ -150,8 +150,12 @@ def main() -> None:
         load_s = time.perf_counter() - started
         row: dict = {"activations": str(dtype).removeprefix("torch."), "load_s": round(load_s, 1)}
         row["weight_mb"] = round(model.weight_nbytes() / 1e6, 1)
+        phase = time.perf_counter()
         row["perplexity"] = round(perplexity(model, text_ids, args.window), 4)
+        row["perplexity_s"] = round(time.perf_counter() - phase, 1)
+        phase = time.perf_counter()
         outputs = [greedy(model, config, dtype, p, args.tokens) for p in prompts]
+        row["greedy_s"] = round(time.perf_counter() - phase, 1)
         if precision == args.reference:
             reference = outputs
         prefixes = [common_prefix(o, r) for o, r in zip(outputs, reference, strict=True)]

@@ -76,6 +76,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         enforce_eager=settings.enforce_eager,
         fused_kernels=settings.fused_kernels,
         num_threads=settings.num_threads,
+        weight_cache_dir=settings.cache_path / "quantized",
     )
 
 

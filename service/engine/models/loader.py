@@ -86,6 +86,26 @@ def quantize_at_load(
             yield name, tensor
 
 
+def quantizes_at_load(path: Path, model_format: str, precision: str) -> bool:
+    """Whether loading `path` in `precision` quantizes any weight (the work worth caching), as
+    opposed to reading every quantized weight from the file as it is."""
+    if precision in FLOAT_PRECISIONS:
+        return False
+    if model_format != "gguf":
+        return checkpoint_quantization(path, json.loads((path / "config.json").read_text())) is None
+    reader = gguf.GGUFReader(str(path))
+    config = ModelConfig.from_gguf(reader)
+    for tensor in reader.tensors:
+        if tensor.name in _GGUF_CONFIG_TENSORS:
+            continue
+        role = linear_role(gguf_to_hf_name(tensor.name), config)
+        if target_format(precision, role) is not None and not (
+            precision == "int4_wo" and tensor.tensor_type in _GGUF_INT4
+        ):
+            return True
+    return False
+
+
 def load_hf_dir(path: Path, precision: str) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
     """An HF checkpoint directory: its config, and its weights in `precision` (see the module doc).
 

@@ -10,9 +10,16 @@ import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
+from service.engine.models import quant_cache
 from service.engine.models.config import ModelConfig
 from service.engine.models.cpu_linear import prepacking_supported
-from service.engine.models.loader import build_model, load_gguf, load_hf_dir
+from service.engine.models.loader import (
+    DEFAULT_INT4_GROUP,
+    build_model,
+    load_gguf,
+    load_hf_dir,
+    quantizes_at_load,
+)
 from service.engine.models.quant import QuantizationError
 from service.engine.precision import FLOAT_PRECISIONS, precision_mode
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
@@ -64,7 +71,22 @@ def build_engine(
             model_config, weights = load_hf_dir(config.model_path, config.precision)
             tokenizer = Tokenizer.from_directory(config.model_path)
         max_model_len = context_length(model_config, config.max_model_len)
+        writer = None
+        if config.weight_cache_dir is not None and quantizes_at_load(
+            config.model_path, config.model_format, config.precision
+        ):
+            entry = config.weight_cache_dir / quant_cache.cache_key(
+                config.model_path, config.precision, {"int4_group": DEFAULT_INT4_GROUP, "gguf_group": 32}
+            )
+            cached = quant_cache.read(entry)
+            if cached is not None:
+                weights = cached
+            else:
+                writer = quant_cache.Writer(entry)
+                weights = writer.wrap(weights)
         model = build_model(model_config, weights, dtype, device)
+        if writer is not None:
+            writer.commit()
     except QuantizationError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     if config.fused_kernels:
