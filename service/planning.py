@@ -16,7 +16,8 @@ import gguf
 from service.config import Settings
 from service.engine.config import PRECISION_TAGS
 from service.engine.models.config import ModelConfig
-from service.engine.models.modelopt import checkpoint_quantization
+from service.engine.models.modelopt import HF_QUANT_CONFIG, checkpoint_quantization
+from service.engine.models.quant import QuantizationError
 from service.engine.registry import ENGINES, available_engines
 from service.hardware import SystemInfo, detect_system, load_system
 from service.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
@@ -92,26 +93,44 @@ def manifest_for(settings: Settings) -> Manifest:
         raw_config = json.loads((path / "config.json").read_text())
         config = ModelConfig.from_hf_config(raw_config)
         weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        quantized = checkpoint_quantization(path, raw_config)
-        if quantized is not None:  # a ModelOpt checkpoint serves its own precision only
-            precisions = (quantized.precision,)
-            return generic_manifest(
-                served, str(path), _architecture(config), weights, precisions, quantized.precision
-            )
-        return generic_manifest(served, str(path), _architecture(config), weights)
+        return _generic_for_checkpoint(served, str(path), path, raw_config, config, weights, measured=True)
     if looks_like_hub_id(name):
         # No manifest and nothing local: generic torch profiles sized once the config is fetched.
         config_dir = download_artifact(
-            ArtifactSpec(name, "main", allow_patterns=("config.json",)),
+            ArtifactSpec(name, "main", allow_patterns=("config.json", HF_QUANT_CONFIG)),
             settings.cache_path / "hub",
             token=_token(settings),
             offline=settings.hf_hub_offline,
         )
-        config = ModelConfig.from_hf_config(json.loads((config_dir / "config.json").read_text()))
-        return generic_manifest(served, name, _architecture(config), _estimate_weights_bytes(config))
+        raw_config = json.loads((config_dir / "config.json").read_text())
+        config = ModelConfig.from_hf_config(raw_config)
+        weights = _estimate_weights_bytes(config)
+        return _generic_for_checkpoint(served, name, config_dir, raw_config, config, weights, measured=False)
     raise ModelNotFoundError(
         f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id (org/name)"
     )
+
+
+def _generic_for_checkpoint(
+    served: str,
+    repo: str,
+    directory: Path,
+    raw_config: dict,
+    config: ModelConfig,
+    weights: int,
+    measured: bool,
+) -> Manifest:
+    """Generic profiles for an HF checkpoint; a ModelOpt one serves its own precision only.
+    `weights`: the files' size when `measured`, else a bf16 estimate from the shapes."""
+    try:
+        quantized = checkpoint_quantization(directory, raw_config)
+    except QuantizationError as error:
+        raise ProfileError(str(error)) from error
+    arch = _architecture(config)
+    if quantized is None:
+        return generic_manifest(served, repo, arch, weights)
+    size_precision = quantized.precision if measured else "bf16"
+    return generic_manifest(served, repo, arch, weights, (quantized.precision,), size_precision)
 
 
 def _store_manifest(store: dict, path: Path, manifests: list[Manifest]) -> Manifest:

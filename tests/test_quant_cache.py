@@ -42,7 +42,7 @@ def test_what_counts_as_quantizing_at_load(bf16_dir: Path, tmp_path: Path) -> No
 def test_second_load_reads_the_cache_and_matches(bf16_dir: Path, tmp_path: Path) -> None:
     entry = tmp_path / quant_cache.cache_key(bf16_dir, "int4_wo", {"group": 128})
     assert quant_cache.read(entry) is None  # nothing cached yet
-    writer = quant_cache.Writer(entry)
+    writer = quant_cache.Writer(entry, bf16_dir, "int4_wo")
     _, weights = load_hf_dir(bf16_dir, "int4_wo")
     first, first_logits = _load(bf16_dir, writer.wrap(weights))
     writer.commit()
@@ -59,7 +59,7 @@ def test_second_load_reads_the_cache_and_matches(bf16_dir: Path, tmp_path: Path)
 
 def test_a_corrupt_entry_is_detected_and_discarded(bf16_dir: Path, tmp_path: Path) -> None:
     entry = tmp_path / "entry"
-    writer = quant_cache.Writer(entry)
+    writer = quant_cache.Writer(entry, bf16_dir, "int8_wo")
     _, weights = load_hf_dir(bf16_dir, "int8_wo")
     _load(bf16_dir, writer.wrap(weights))
     writer.commit()
@@ -70,7 +70,7 @@ def test_a_corrupt_entry_is_detected_and_discarded(bf16_dir: Path, tmp_path: Pat
     assert quant_cache.read(entry) is None
     assert not entry.exists()  # rebuilt on the next load
 
-    writer = quant_cache.Writer(entry)
+    writer = quant_cache.Writer(entry, bf16_dir, "int8_wo")
     _, weights = load_hf_dir(bf16_dir, "int8_wo")
     _load(bf16_dir, writer.wrap(weights))
     writer.commit()
@@ -80,7 +80,7 @@ def test_a_corrupt_entry_is_detected_and_discarded(bf16_dir: Path, tmp_path: Pat
 
 def test_an_abandoned_stream_writes_nothing(bf16_dir: Path, tmp_path: Path) -> None:
     entry = tmp_path / "entry"
-    writer = quant_cache.Writer(entry)
+    writer = quant_cache.Writer(entry, bf16_dir, "int4_wo")
     _, weights = load_hf_dir(bf16_dir, "int4_wo")
     stream = writer.wrap(weights)
     next(stream)  # a load that fails after the first tensor
@@ -104,3 +104,14 @@ def test_the_key_follows_source_precision_and_settings(bf16_dir: Path, tmp_path:
     stat = config.stat()
     os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a new revision
     assert quant_cache.cache_key(copy, "int4_wo", {"group": 128}) != before
+
+
+def test_a_new_revision_evicts_the_entry_it_supersedes(bf16_dir: Path, tmp_path: Path) -> None:
+    old, new, other = tmp_path / "old", tmp_path / "new", tmp_path / "other"
+    for entry, precision in ((old, "int8_wo"), (other, "int4_wo"), (new, "int8_wo")):
+        writer = quant_cache.Writer(entry, bf16_dir, precision)
+        _, weights = load_hf_dir(bf16_dir, precision)
+        _load(bf16_dir, writer.wrap(weights))
+        writer.commit()
+    assert new.exists() and other.exists()  # another precision of the same source stays
+    assert not old.exists()

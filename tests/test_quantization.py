@@ -1040,3 +1040,29 @@ def test_modelopt_nvfp4_directory_serves_completions(tmp_path: Path) -> None:
         assert out.usage.prompt_tokens == len("Once upon a time")  # one token per byte
         assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
         assert isinstance(out.choices[0].text, str)
+
+
+def test_a_tensor_in_two_shards_is_refused(modelopt_dirs: dict[str, Path], tmp_path: Path) -> None:
+    sharded = _copy_with(modelopt_dirs["fp8"], tmp_path / "sharded", lambda t: None)
+    tensors = load_file(sharded / "model.safetensors")
+    name = f"{LAYER}.weight_scale"
+    save_file({name: tensors[name]}, str(sharded / "model-extra.safetensors"), metadata={"format": "pt"})
+    _refusal(lambda: _load_all(sharded, "fp8"), "appears in more than one shard")
+
+
+def test_an_unsupported_checkpoint_is_one_line_at_selection(
+    modelopt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """list-model-profiles and serve see a ProfileError (one line), not a traceback."""
+    from service.config import load_settings
+    from service.planning import manifest_for
+    from service.profiles import ProfileError
+
+    awq = _copy_with(modelopt_dirs["plain"], tmp_path / "awq", lambda t: None)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ProfileError, match="quantization method 'awq' is not supported"):
+        manifest_for(load_settings(model_name=str(awq)))
+    manifest = manifest_for(load_settings(model_name=str(modelopt_dirs["nvfp4"])))
+    assert {p.precision for p in manifest.profiles} == {"nvfp4"}

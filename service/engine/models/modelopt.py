@@ -87,7 +87,12 @@ def read_quantized(
     under ``<prefix>.weight``; static KV scales are skipped (the KV cache scales per token)."""
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files]
-        where = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118
+        where: dict[str, Any] = {}
+        for file, handle in zip(files, handles, strict=True):
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name in where:
+                    raise QuantizationError(f"{name}: appears in more than one shard (again in {file.name})")
+                where[name] = handle
         scaled = {name.rsplit(".", 1)[0] for name in where if name.endswith(".weight_scale")}
 
         def get(key: str) -> torch.Tensor | None:

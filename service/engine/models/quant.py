@@ -277,9 +277,12 @@ class NVFP4Weight:
         )
         return self
 
-    def dequantize(self) -> Tensor:
+    def dequantize(self, table: Tensor | None = None) -> Tensor:
+        """`table`: E2M1_VALUES as a float32 tensor on the weights' device (layers keep one, so a
+        CUDA graph capture never copies it from the host)."""
         n, k = self.shape
-        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.packed.device)
+        if table is None:
+            table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.packed.device)
         codes = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).view(n, k)
         values = table[codes.long()].view(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
         scales = self.block_scale.float() * self.global_scale[:, None]

@@ -92,8 +92,9 @@ class Writer:
     """Keeps a host copy of every weight a stream passes on; `commit` writes the entry once the
     model built from the stream has loaded (a failed load writes nothing)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, source: Path, precision: str) -> None:
         self.directory = directory
+        self.origin = {"source": str(source.resolve()), "precision": precision}
         self.tensors: dict[str, torch.Tensor] = {}
         self.formats: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
@@ -124,15 +125,21 @@ class Writer:
         if not self.complete:
             raise RuntimeError("the weight stream was not consumed to its end")
         try:
-            _write(self.directory, self.tensors, self.formats, self.order)
-        except OSError as error:  # a full or read-only store costs the next start time, nothing else
+            _write(self.directory, self.tensors, self.formats, self.order, self.origin)
+        except Exception as error:  # a full or read-only store costs the next start time, nothing else
             log.warning("could not cache the quantized weights at %s: %s", self.directory, error)
+        else:
+            _evict_older(self.directory, self.origin)
         finally:
             self.tensors.clear()
 
 
 def _write(
-    directory: Path, tensors: dict[str, torch.Tensor], formats: dict[str, dict[str, Any]], order: list[str]
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    formats: dict[str, dict[str, Any]],
+    order: list[str],
+    origin: dict[str, str],
 ) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
@@ -141,7 +148,7 @@ def _write(
         save_file(tensors, str(staging / WEIGHTS_FILE))
         (staging / WEIGHTS_FILE).chmod(0o644)
         entry = {"version": FORMAT_VERSION, "sha256": _sha256(staging / WEIGHTS_FILE), "formats": formats,
-                 "order": order}  # fmt: skip
+                 "order": order, **origin}  # fmt: skip
         (staging / ENTRY_FILE).write_text(json.dumps(entry))
         if directory.exists():
             shutil.rmtree(directory)
@@ -151,6 +158,20 @@ def _write(
             shutil.rmtree(staging, ignore_errors=True)
     size = (directory / WEIGHTS_FILE).stat().st_size
     log.info("cached the quantized weights at %s (%.0f MB)", directory, size / 1e6)
+
+
+def _evict_older(directory: Path, origin: dict[str, str]) -> None:
+    """Remove the entries an earlier revision of the same source and precision left beside this one."""
+    for sibling in directory.parent.iterdir():
+        if sibling == directory or not (sibling / ENTRY_FILE).is_file():
+            continue
+        try:
+            entry = json.loads((sibling / ENTRY_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if all(entry.get(key) == value for key, value in origin.items()):
+            log.info("removing the superseded quantized weights cache %s", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def _discard(directory: Path, why: str) -> None:

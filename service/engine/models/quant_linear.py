@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.quant import (
+    E2M1_VALUES,
     FP8_MAX,
     FP8Weight,
     Int4Weight,
@@ -72,7 +73,7 @@ class Int4Linear(QuantLinear):
     precision = "int4_wo"
     packed: Tensor  # native: uint8, aten's CPU int4 layout
     scales_zeros: Tensor  # native: [K / group, N, 2]
-    q: Tensor  # emulated: the format's tensors
+    nibbles: Tensor  # emulated: uint8 [N, K / 2], and the format's scales
     scale: Tensor
     zero: Tensor
 
@@ -95,15 +96,18 @@ class Int4Linear(QuantLinear):
             scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
             self.register_buffer("packed", packed.to(device))
             self.register_buffer("scales_zeros", scales_zeros.to(device))
-        else:
-            self.register_buffer("q", weight.q.to(device))
+        else:  # two values per byte, even inputs in the low nibble; unpacked for each call
+            q = weight.q
+            self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(device))
             self.register_buffer("scale", weight.scale.to(device))
             self.register_buffer("zero", weight.zero.to(device))
 
     def dequantized(self) -> Tensor:
         if self.native:
             raise RuntimeError("packed int4 weights are not dequantized")
-        return Int4Weight(self.q, self.scale, self.zero, self.group_size).dequantize().to(self.dtype)
+        n, k = self.out_features, self.in_features
+        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).view(n, k)
+        return Int4Weight(q, self.scale, self.zero, self.group_size).dequantize().to(self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
@@ -150,11 +154,14 @@ class FP8Linear(QuantLinear):
     ) -> None:
         super().__init__(weight.shape, bias, dtype)
         self.native = precision_mode("fp8", device) == "native"
-        if self.native and dtype not in (torch.bfloat16, torch.float16):
-            raise QuantizationError(f"native fp8 matmuls produce bf16 or fp16, not {dtype}")
+        if self.native and dtype != torch.bfloat16:
+            raise QuantizationError(f"native fp8 matmuls here produce bf16 activations, not {dtype}")
         self.register_buffer("q", weight.q.to(device))
         self.register_buffer("scale", weight.scale.to(device))
         self.static_input = weight.input_scale is not None
+        # One weight scale and a static input scale (ModelOpt FP8): tensor-wise scaling, which every
+        # fp8 GPU's cuBLAS supports; otherwise row-wise (per-row weight scales, per-token inputs).
+        self.tensorwise = self.static_input and bool((weight.scale == weight.scale[0]).all())
         if weight.input_scale is not None:
             self.register_buffer("input_scale", weight.input_scale.reshape(1, 1).float().to(device))
 
@@ -167,11 +174,15 @@ class FP8Linear(QuantLinear):
         else:  # one scale per token
             x_scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
         x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if self.tensorwise:
+            scale_a, scale_b = self.input_scale.reshape(()), self.scale[0]
+        else:
+            scale_a, scale_b = x_scale.contiguous(), self.scale.view(1, -1)
         out: Tensor = torch._scaled_mm(
             x_q,
-            self.q.t(),
-            scale_a=x_scale.contiguous(),
-            scale_b=self.scale.view(1, -1),
+            self.q.t(),  # column-major [K, N], as _scaled_mm requires of its second operand
+            scale_a=scale_a,
+            scale_b=scale_b,
             bias=None if self.bias is None else self.bias.to(self.dtype),
             out_dtype=self.dtype,
         )
@@ -183,6 +194,7 @@ class NVFP4Linear(QuantLinear):
     packed: Tensor
     block_scale: Tensor
     global_scale: Tensor
+    e2m1: Tensor
 
     def __init__(
         self, weight: NVFP4Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
@@ -194,9 +206,12 @@ class NVFP4Linear(QuantLinear):
         self.register_buffer("packed", weight.packed.to(device))
         self.register_buffer("block_scale", weight.block_scale.to(device))
         self.register_buffer("global_scale", weight.global_scale.to(device))
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+        self.register_buffer("e2m1", table, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = NVFP4Weight(self.packed, self.block_scale, self.global_scale).dequantize().to(self.dtype)
+        packed = NVFP4Weight(self.packed, self.block_scale, self.global_scale)
+        weight = packed.dequantize(self.e2m1).to(self.dtype)
         return F.linear(x, weight, self.bias)
 
 

@@ -82,7 +82,7 @@ def build_engine(
             if cached is not None:
                 weights = cached
             else:
-                writer = quant_cache.Writer(entry)
+                writer = quant_cache.Writer(entry, config.model_path, config.precision)
                 weights = writer.wrap(weights)
         model = build_model(model_config, weights, dtype, device)
         if writer is not None:
