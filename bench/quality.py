@@ -29,6 +29,7 @@ from engine_bench import DenseAttention
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from service.engine.models.attention import CausalAttention  # noqa: E402
 from service.engine.models.cpu_linear import prepacking_supported  # noqa: E402
 from service.engine.models.loader import build_model, load_gguf  # noqa: E402
 from service.hardware import choose_dtype  # noqa: E402
@@ -46,16 +47,6 @@ def load(path: Path, precision: str):
     if prepacking_supported(dtype, torch.device("cpu")):
         model.prepack_for_cpu()
     return model, config, dtype
-
-
-class CausalAttention:
-    """Dense causal attention within one window (no cache): for perplexity."""
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-        )
-        return out.transpose(0, 1)
 
 
 @torch.inference_mode()

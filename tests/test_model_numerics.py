@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -372,7 +373,19 @@ _HF_TO_GGUF_BLOCK = {
 }
 
 
-def _write_gguf(hf_model: transformers.PreTrainedModel, arch: str, path: Path) -> None:
+def _q8_0_first_down(name: str) -> gguf.GGMLQuantizationType | None:
+    """One quantized tensor, to exercise dequantization."""
+    return gguf.GGMLQuantizationType.Q8_0 if name == "blk.0.ffn_down.weight" else None
+
+
+def _write_gguf(
+    hf_model: transformers.PreTrainedModel,
+    arch: str,
+    path: Path,
+    quantize: Callable[[str], gguf.GGMLQuantizationType | None] = _q8_0_first_down,
+) -> None:
+    """The model in llama.cpp's layout; `quantize(gguf_name)` names the tensors stored in a
+    quantized type (the rest F32)."""
     hf = hf_model.config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -415,9 +428,9 @@ def _write_gguf(hf_model: transformers.PreTrainedModel, arch: str, path: Path) -
                 array = _llama_cpp_permute(array, hf.num_attention_heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, hf.num_key_value_heads)
-        if gguf_name == "blk.0.ffn_down.weight":  # one quantized tensor, to exercise dequantization
-            array = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, array, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = quantize(gguf_name)
+        if kind is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()

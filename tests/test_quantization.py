@@ -58,6 +58,7 @@ from service.engine.models.quant import (
 )
 from service.engine.models.quant_linear import FP8Linear, Int4Linear, Int8Linear, NVFP4Linear
 from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.test_model_numerics import _write_gguf
 
 torch.set_num_threads(2)
 
@@ -768,23 +769,7 @@ def test_nvfp4_is_not_quantized_at_load(modelopt_dirs: dict[str, Path], int4_ggu
 # ---------------------------------------------------------------------------------------------
 # 6. GGUF with Q4_1 layers: int4 directly from the file
 
-_HF_TO_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    # convert_hf_to_gguf.py LlamaModel.permute: interleave each head's two rotary halves
-    shape = weight.shape
-    return weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+_GGUF_DECODER_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def write_int4_gguf(
@@ -792,45 +777,12 @@ def write_int4_gguf(
 ) -> None:
     """The model in llama.cpp's llama layout, decoder linears as `kind` (Q4_0/Q4_1) blocks, the
     rest F32."""
-    hf = hf_model.config
-    head_dim = hf.hidden_size // hf.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(hf.num_hidden_layers)
-    writer.add_context_length(hf.max_position_embeddings)
-    writer.add_embedding_length(hf.hidden_size)
-    writer.add_feed_forward_length(hf.intermediate_size)
-    writer.add_head_count(hf.num_attention_heads)
-    writer.add_head_count_kv(hf.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
-    writer.add_vocab_size(hf.vocab_size)
-    writer.add_bos_token_id(hf.bos_token_id)
-    writer.add_eos_token_id(hf.eos_token_id)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    names["lm_head.weight"] = "output.weight"
-    for name, tensor in hf_model.state_dict().items():
-        array = tensor.numpy().astype(np.float32)
-        if name in names:
-            writer.add_tensor(names[name], array)
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        module, kind_of_tensor = rest.rsplit(".", 1)
-        if module == "self_attn.q_proj":
-            array = _llama_cpp_permute(array, hf.num_attention_heads)
-        elif module == "self_attn.k_proj":
-            array = _llama_cpp_permute(array, hf.num_key_value_heads)
-        gguf_name = f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{kind_of_tensor}"
-        if _is_decoder_linear(name):
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def quantized(gguf_name: str) -> gguf.GGMLQuantizationType | None:
+        is_linear = gguf_name.startswith("blk.") and gguf_name.split(".")[2] in _GGUF_DECODER_LINEARS
+        return kind if is_linear and gguf_name.endswith(".weight") else None
+
+    _write_gguf(hf_model, "llama", path, quantized)
 
 
 INT4_KINDS = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
