@@ -96,7 +96,7 @@ def test_mixed_step_matches_dense_attention(cache_dtype: str, tolerance: float) 
     padded = [b for _, _, t, *_ in decodes for b in t[:width] + [0] * (width - min(len(t), width))]
     prefills, start = [], len(decodes)
     for cached, new, table, *_ in seqs[len(decodes) :]:
-        mask = prefill_mask(cached, new, len(table) * BLOCK, torch.device("cpu"))
+        mask = prefill_mask(cached, new, len(table) * BLOCK, torch.device("cpu"), torch.float32)
         prefills.append(
             PrefillChunk(start, new, cached + new, pool.head_block_ids(torch.tensor(table)), mask)
         )
@@ -105,7 +105,7 @@ def test_mixed_step_matches_dense_attention(cache_dtype: str, tolerance: float) 
         slot_mapping=torch.cat(step_slots),
         num_decodes=len(decodes),
         decode_block_ids=pool.head_block_ids(torch.tensor(padded)),
-        decode_mask=decode_mask(torch.tensor([c + n for c, n, *_ in decodes]), width * BLOCK),
+        decode_mask=decode_mask(torch.tensor([c + n for c, n, *_ in decodes]), width * BLOCK, torch.float32),
         prefills=tuple(prefills),
     )
     out = PagedAttention(pool, meta, HEADS, DIM)(0, torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v))

@@ -69,6 +69,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
         self.pool = pool
         self.device = device
+        self.dtype = model.model.embed_tokens.weight.dtype  # the activations' (attention masks too)
         self.block_size = pool.spec.block_size
         config = model.config
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
@@ -172,7 +173,7 @@ class ModelRunner:
                 tables = torch.tensor(rows, dtype=torch.long, device=device)  # [B, N]
             else:
                 decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
-                mask = decode_mask(lens, width * self.block_size)
+                mask = decode_mask(lens, width * self.block_size, self.dtype)
         prefills = []
         query_start = num_decodes
         for i in range(num_decodes, plan.num_sequences):
@@ -184,7 +185,9 @@ class ModelRunner:
                     num_query=num_query,
                     context_len=context_len,
                     block_ids=self._blocks(plan.block_tables[i : i + 1], width),
-                    mask=prefill_mask(context_len - num_query, num_query, width * self.block_size, device),
+                    mask=prefill_mask(
+                        context_len - num_query, num_query, width * self.block_size, device, self.dtype
+                    ),
                 )
             )
             query_start += num_query
