@@ -11,7 +11,7 @@ import torch
 
 from service.engine.output import OutputProcessor, StopStringMatcher
 from service.engine.protocol import SamplingParams
-from service.engine.torch.sampler import SamplingRow, filtered_probs, make_generator, sample
+from service.engine.torch.sampler import SamplingRow, filtered_probs, make_generator, sample, top_ids
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -180,6 +180,25 @@ def test_logprobs_are_the_models_and_ranked() -> None:
     assert out.token_id == 0 and out.logprob is not None
     assert out.logprob.rank == 1 and abs(out.logprob.logprob - math.log(0.5)) < 1e-5
     assert [t for t, _ in out.logprob.top] == [0, 1]
+
+
+def test_ties_rank_in_ascending_token_id_everywhere() -> None:
+    """bf16 logits tie exactly: the greedy choice, top_k's k and the top logprobs all take the
+    lowest id first, so top_k=1 is greedy and greedy is the first of its top logprobs."""
+    # Tied maxima at ids 7, 3 and 40 among 64 (torch.topk orders such ties arbitrarily).
+    logits = torch.full((1, 64), -2.0)
+    logits[0, [40, 7, 3]] = 21.5
+    logits[0, 11] = 21.375
+    assert top_ids(logits[0], 2).tolist() == [3, 7]
+    assert top_ids(logits[0], 4).tolist() == [3, 7, 40, 11]
+    greedy = sample(logits.clone(), [row(SamplingParams(max_tokens=1, temperature=0, logprobs=3))])[0]
+    assert greedy.token_id == 3 and greedy.logprob is not None
+    assert [t for t, _ in greedy.logprob.top] == [3, 7, 40]
+    for seed in range(20):
+        top1 = SamplingParams(max_tokens=1, temperature=1.5, top_k=1, seed=seed)
+        assert sample(logits.clone(), [row(top1)])[0].token_id == 3
+    top2 = filtered_probs(logits[0], SamplingParams(max_tokens=1, top_k=2))
+    assert top2.nonzero().squeeze(1).tolist() == [3, 7]  # exactly k tokens, not every tie
 
 
 def test_sampling_follows_the_distribution() -> None:

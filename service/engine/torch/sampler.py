@@ -5,6 +5,11 @@ min_tokens (end tokens masked until enough were generated), logit_bias, repetiti
 frequency / presence penalties; greedy rows take the argmax of that; sampled rows apply
 temperature, top_k, top_p and min_p and draw from their own `torch.Generator`, so a seeded
 request reproduces whatever else shares its batch.
+
+Equal values rank in ascending token id, argmax's convention, wherever tokens are ranked (the
+greedy choice, top_k's k, the top logprobs): bfloat16 logits tie exactly (their step is 0.125
+between 16 and 32), and top_k=1 must then still be the greedy answer, and the greedy answer the
+first of its top logprobs.
 """
 
 from __future__ import annotations
@@ -79,6 +84,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
     ]
 
 
+def top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """[V] -> the ids of the k largest values, largest first, equal values in ascending id order
+    (so the first is the argmax). torch.topk alone orders ties arbitrarily, at the k-th too."""
+    kth = torch.topk(values, k).values[-1]
+    candidates = (values >= kth).nonzero().squeeze(1)  # ascending ids; every tie of the k-th
+    order = torch.sort(values[candidates], descending=True, stable=True).indices[:k]
+    return candidates[order]
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B]: each row's first largest logit, as argmax defines it (max's indices are the
     same first maxima, computed about 1.7x faster on CPU)."""
@@ -108,8 +122,8 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLog
     rank = int((logprobs > chosen).sum()) + 1
     top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
-        values, ids = torch.topk(logprobs, top_n)
-        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        ids = top_ids(logprobs, top_n)
+        top = tuple(zip(ids.tolist(), logprobs[ids].tolist(), strict=True))
     return TokenLogprob(token_id=token_id, logprob=chosen, rank=rank, top=top)
 
 
@@ -155,10 +169,12 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     distribution whatever else shares its batch.
     """
     vocab = logits.shape[0]
-    logits = logits / params.temperature
     if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Exactly k tokens, chosen before the temperature can round near values together.
+        keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        keep[top_ids(logits, params.top_k)] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    logits = logits / params.temperature
     probs = torch.softmax(logits, dim=-1)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < probs.max() * params.min_p, 0.0)
