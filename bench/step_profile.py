@@ -14,7 +14,9 @@ by wrapping the engine's own methods (nothing in the engine is changed for this)
 
 On CUDA it also profiles --profile-steps steps with torch.profiler and reports, per step, the
 kernel launches the host issued (cudaLaunchKernel and friends; a replayed CUDA graph counts as
-one cudaGraphLaunch) and the host time outside waits for the GPU.
+one cudaGraphLaunch) and the host time outside waits for the GPU. On the CPU it profiles them on
+the engine's own thread (the profiler records the thread that starts it) and reports the PyTorch
+ops per step and the --top ops by self time: the per-step breakdown.
 
 Prints one JSON document: medians per batch size, and the command.
 """
@@ -109,8 +111,9 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
         await asyncio.to_thread(wait_steps, engine, args.steps)
         for timer in timers:
             timer.armed = False
-        if device.type == "cuda" and args.profile_steps:
-            result["profile"] = await asyncio.to_thread(profile_steps, engine, args.profile_steps)
+        if args.profile_steps:
+            profiler = profile_steps if device.type == "cuda" else cpu_op_profile
+            result["profile"] = await asyncio.to_thread(profiler, engine, args.profile_steps, args.top)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,7 +146,50 @@ def wait_steps(engine: TorchEngine, count: int) -> None:
         time.sleep(0.001)
 
 
-def profile_steps(engine: TorchEngine, count: int) -> dict[str, float]:
+def cpu_op_profile(engine: TorchEngine, count: int, top: int) -> dict:
+    """`count` steps under torch.profiler, started and stopped on the engine's thread."""
+    from torch.profiler import ProfilerActivity, profile
+
+    original = engine._step
+    prof = profile(activities=[ProfilerActivity.CPU])
+    left = [count]
+    done = threading.Event()
+
+    def step() -> None:
+        if left[0] == count:
+            prof.__enter__()
+        original()
+        if not done.is_set():
+            left[0] -= 1
+            if left[0] == 0:
+                prof.__exit__(None, None, None)
+                done.set()
+
+    engine._step = step  # type: ignore[method-assign]
+    try:
+        while not done.wait(0.01):
+            if engine.failure is not None:
+                raise RuntimeError(f"the engine died: {engine.failure}")
+    finally:
+        engine._step = original  # type: ignore[method-assign]
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "steps": count,
+        "ops_per_step": sum(e.count for e in events) / count,
+        "profiled_step_ms": sum(e.self_cpu_time_total for e in events) / 1e3 / count,
+        "top_ops": [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / count,
+                "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / count, 3),
+            }
+            for e in ranked
+        ],
+    }
+
+
+def profile_steps(engine: TorchEngine, count: int, top: int = 0) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     start = engine.stats().num_steps
@@ -174,7 +220,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup-steps", type=int, default=8)
-    parser.add_argument("--profile-steps", type=int, default=16, help="CUDA only: steps under torch.profiler")
+    parser.add_argument("--profile-steps", type=int, default=16, help="steps under torch.profiler (0: none)")
+    parser.add_argument("--top", type=int, default=15, help="CPU: the ops reported, by self time")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")

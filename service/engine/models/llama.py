@@ -40,12 +40,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.dim() == 2 and triton_ops.runs_on(x):
             return triton_ops.rms_norm(x, self.weight, self.eps)
-        # Same op order as HF's LlamaRMSNorm: normalise in float32, cast back, then scale.
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
+        # HF's LlamaRMSNorm: normalise in float32 (x * rsqrt(mean(x^2) + eps), which PyTorch's
+        # rms_norm computes in one kernel, bitwise as the separate ops do), cast back, then scale.
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(RMSNorm(x + residual), x + residual): a residual connection and the next norm."""
