@@ -13,9 +13,9 @@ fused Linear; ``load_weights`` writes the checkpoint's separate shards into row 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,12 @@ from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 from service.engine.models.quant import QuantizationError, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
+
+if TYPE_CHECKING:
+    from service.engine.models.tensor_parallel import Collectives, TPLayout
+
+# A tensor-parallel model's all-reduce after each row-parallel projection (None: one process).
+Reduce = Callable[[Tensor], Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -177,6 +183,7 @@ class FusedRope:
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.reduce: Reduce | None = None  # set by LlamaForCausalLM.use_tensor_parallel
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -217,7 +224,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # type: ignore[no-untyped-call]
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
         projected: Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
-        return projected
+        return projected if self.reduce is None else self.reduce(projected)
 
 
 class LlamaMLP(nn.Module):
@@ -225,6 +232,7 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.reduce: Reduce | None = None  # set by LlamaForCausalLM.use_tensor_parallel
         self.intermediate_size = config.intermediate_size
         # Rows: [gate (I) | up (I)].
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -238,7 +246,7 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate) * up
         down: Tensor = self.down_proj(activated)
-        return down
+        return down if self.reduce is None else self.reduce(down)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -308,13 +316,16 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.tp: Collectives | None = None
+        self.vocab_start = 0  # this rank's first vocabulary row (tensor parallelism)
+        self.full_vocab_size = config.vocab_size
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """input_ids, positions: [T] int64, a flat token batch. Returns final-norm hidden states [T, hidden].
 
         Positions index the RoPE tables, so each must be < max_position_embeddings.
         """
-        hidden: Tensor = self.model.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary.for_positions(positions, hidden.dtype)
         residual: Tensor | None = None
         for layer in self.model.layers:
@@ -323,12 +334,37 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.model.norm.add_forward(hidden, residual)
         return normed
 
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        if self.tp is None:
+            embedded: Tensor = self.model.embed_tokens(input_ids)
+            return embedded
+        # Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.config.vocab_size)
+        embedded = self.model.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(embedded * mine[:, None].to(embedded.dtype))
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (matmul in the model dtype, as HF does, then upcast)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        logits: Tensor = self.lm_head(hidden)
+            logits: Tensor = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp is not None:  # vocab-parallel: every rank's slice, then the padding cut
+            logits = self.tp.all_gather_last(logits)[..., : self.full_vocab_size]
         return logits.float()
+
+    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None:
+        """Join this rank's shard (built from `layout.local_config()`) to the others': all-reduce
+        after each row-parallel projection and the vocab-parallel embedding, all-gather of logits."""
+        if self.config != layout.local_config():
+            raise ValueError("the model was not built from this layout's local config")
+        self.tp = collectives
+        self.vocab_start = layout.vocab_start
+        self.full_vocab_size = layout.config.vocab_size
+        for module in self.modules():
+            if isinstance(module, LlamaAttention | LlamaMLP):
+                module.reduce = collectives.all_reduce
 
     def use_fused_kernels(self, enabled: bool = True) -> None:
         """Run norms (with the residual add), SiLU-mul and RoPE as fused Triton kernels where the
