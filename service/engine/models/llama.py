@@ -140,11 +140,17 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cached[positions].to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
+    def lookup_full(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """HF's full-width tables for ``positions``: cos = [cos, cos] and a signed sin = [-sin, sin],
+        each [T, 1, D] in ``dtype``, so RoPE is x * cos + swap_halves(x) * sin."""
+        cos, sin = self.lookup(positions, dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
     def for_positions(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         """What rotates this batch's q and k: one lookup shared by every layer, or the fused kernel."""
         if self.fused and triton_ops.runs_on(positions) and self.config.head_dim in (64, 128, 256):
             return FusedRope(positions, self.cos_cached, self.sin_cached)
-        cos, sin = self.lookup(positions, dtype)  # [T, 1, D/2] each
+        cos, sin = self.lookup_full(positions, dtype)  # [T, 1, D] each
         return TableRope(cos, sin)
 
 
@@ -162,11 +168,17 @@ class Rope(Protocol):
 
 @dataclass(frozen=True)
 class TableRope:
-    cos: Tensor  # [T, 1, D/2]
-    sin: Tensor
+    """Rotate-half RoPE from full-width tables (RotaryEmbedding.lookup_full), shared by every
+    layer of a step: four ops per call, each element rounded as HF rounds it (x1 * cos + x2 * -sin
+    is bitwise x1 * cos - x2 * sin)."""
+
+    cos: Tensor  # [T, 1, D]: [cos, cos]
+    sin: Tensor  # [T, 1, D]: [-sin, sin]
 
     def __call__(self, x: Tensor) -> Tensor:
-        return apply_rope(x, self.cos, self.sin)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((x2, x1), dim=-1).mul_(self.sin)
+        return (x * self.cos).add_(rotated)
 
 
 @dataclass(frozen=True)

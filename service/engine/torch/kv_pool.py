@@ -86,8 +86,8 @@ class KVPool:
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
         data = self.data[layer].view(2, heads, -1, dim)  # [2, H, S, D]
         if self.scales is None:
-            data[0][:, slots] = k.transpose(0, 1).to(data.dtype)
-            data[1][:, slots] = v.transpose(0, 1).to(data.dtype)
+            # Keys and values in one index_put: [2, T, H, D] -> [2, H, T, D] at the slots.
+            data[:, :, slots] = torch.stack((k, v)).transpose(1, 2).to(data.dtype)
             return
         scales = self.scales[layer].view(2, heads, -1)  # [2, H, S]
         for i, x in enumerate((k, v)):
