@@ -21,7 +21,10 @@
 # (tokenizer.json from service.tokenizer's backend, tokenizer_config.json with the chat template and special
 # tokens). Token counts come from the server's usage (--use-server-token-count): with ignore_eos the model
 # may emit special tokens, which the streamed text leaves out. aiperf is a multi-process client; on a 2-core
-# machine it takes CPU from the server, so it is run with one worker and one record processor.
+# machine it takes CPU from the server, so it is run with one worker and one record processor, at the lowest
+# CPU priority (nice $AIPERF_NICE, default 19): at normal priority it starved a server sharing its two cores
+# (15 tok/s and a 66 ms inter-token latency at concurrency 1, where httpx-based bench/http_load.py measured
+# 52 tok/s and 17 ms; at nice 19 aiperf measured 50 tok/s and 18 ms).
 #
 # Output folder: c<N>/ holds aiperf's artifacts and console log for each concurrency; summary-c<N>.json and
 # .csv are copies of aiperf's summary (profile_export_aiperf.*), and summary.txt one line per concurrency.
@@ -102,7 +105,7 @@ for C in $CONCURRENCY; do
   N=${REQUESTS:-$((C * 2 > 8 ? C * 2 : 8))}
   DIR="$OUT/c$C"
   mkdir -p "$DIR"
-  CMD=("$VENV/bin/aiperf" profile -m "$MODEL" --url "$URL" --endpoint-type chat --streaming
+  CMD=(nice -n "${AIPERF_NICE:-19}" "$VENV/bin/aiperf" profile -m "$MODEL" --url "$URL" --endpoint-type chat --streaming
     --tokenizer "$TOKENIZER" --concurrency "$C" --request-count "$N" --warmup-request-count 2
     --synthetic-input-tokens-mean "$ISL" --synthetic-input-tokens-stddev 0
     --output-tokens-mean "$OSL" --output-tokens-stddev 0
