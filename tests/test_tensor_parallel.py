@@ -34,22 +34,26 @@ PROMPT = [5, 17, 99, 3, 249, 42, 7, 180, 66, 12, 201, 33]
 GREEDY_TOKENS = 6
 
 
+# The tiny Llama both kinds of test use, as transformers' config arguments.
+TINY = dict(
+    vocab_size=250,  # does not divide by 4: the last rank's vocabulary rows are padding
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def hf_config(**overrides) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(**{**TINY, **overrides})
+
+
 def tiny_config(**overrides) -> ModelConfig:
-    kwargs = dict(
-        vocab_size=250,  # does not divide by 4: the last rank's vocabulary rows are padding
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    kwargs.update(architectures=["LlamaForCausalLM"], model_type="llama")
-    return ModelConfig.from_hf_config(kwargs)
+    return ModelConfig.from_hf_config(hf_config(**overrides).to_dict())
 
 
 def test_layout_splits_heads_kv_heads_mlp_and_vocabulary() -> None:
@@ -106,21 +110,8 @@ def test_quantized_slices_are_slices_of_the_dequantized_weight(fmt: str) -> None
 
 
 def _checkpoint(directory: Path, **overrides) -> Path:
-    kwargs = dict(
-        vocab_size=250,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    hf_config = transformers.LlamaConfig(**kwargs)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_config)
+    model = transformers.LlamaForCausalLM(hf_config(**overrides))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

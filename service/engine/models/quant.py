@@ -56,6 +56,22 @@ class QuantizedWeight(Protocol):
         """`parts` (this weight among them, all of its type) stacked by rows."""
         ...
 
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows [start, stop), copied (a tensor-parallel shard)."""
+        ...
+
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Input columns [start, stop), copied, whole quantization groups only (per-row scales
+        and static input scales apply to any columns as they are)."""
+        ...
+
+
+def _whole_groups(group: int, start: int, stop: int) -> None:
+    if start % group or stop % group:
+        raise QuantizationError(
+            f"columns {start}..{stop} of a shard split its quantization groups of {group}"
+        )
+
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight whose rows are the parts' rows in order (the shards of a fused layer)."""
@@ -127,6 +143,20 @@ class Int4Weight:
             self.group_size,
         )
 
+    def rows(self, start: int, stop: int) -> Int4Weight:
+        r = slice(start, stop)
+        return Int4Weight(self.q[r].clone(), self.scale[r].clone(), self.zero[r].clone(), self.group_size)
+
+    def columns(self, start: int, stop: int) -> Int4Weight:
+        _whole_groups(self.group_size, start, stop)
+        groups = slice(start // self.group_size, stop // self.group_size)
+        return Int4Weight(
+            self.q[:, start:stop].clone(),
+            self.scale[:, groups].clone(),
+            self.zero[:, groups].clone(),
+            self.group_size,
+        )
+
     @staticmethod
     def quantize(weight: Tensor, group_size: int) -> Int4Weight:
         """Asymmetric min/max quantization per group (round to nearest)."""
@@ -165,6 +195,12 @@ class Int8Weight:
 
     def concat(self, parts: list[Int8Weight]) -> Int8Weight:
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def rows(self, start: int, stop: int) -> Int8Weight:
+        return Int8Weight(self.q[start:stop].clone(), self.scale[start:stop].clone())
+
+    def columns(self, start: int, stop: int) -> Int8Weight:
+        return Int8Weight(self.q[:, start:stop].clone(), self.scale)
 
     @staticmethod
     def quantize(weight: Tensor) -> Int8Weight:
@@ -223,6 +259,12 @@ class FP8Weight:
     def concat(self, parts: list[FP8Weight]) -> FP8Weight:
         q = torch.cat([p.q for p in parts])
         return FP8Weight(q, torch.cat([p.scale for p in parts]), _fused_input_scale(parts, "fp8"))
+
+    def rows(self, start: int, stop: int) -> FP8Weight:
+        return FP8Weight(self.q[start:stop].clone(), self.scale[start:stop].clone(), self.input_scale)
+
+    def columns(self, start: int, stop: int) -> FP8Weight:
+        return FP8Weight(self.q[:, start:stop].clone(), self.scale, self.input_scale)
 
     @staticmethod
     def quantize(weight: Tensor) -> FP8Weight:
@@ -297,6 +339,25 @@ class NVFP4Weight:
             torch.cat([p.block_scale for p in parts]),
             torch.cat([p.global_scale for p in parts]),
             _fused_input_scale(parts, "nvfp4"),
+        )
+
+    def rows(self, start: int, stop: int) -> NVFP4Weight:
+        r = slice(start, stop)
+        return NVFP4Weight(
+            self.packed[r].clone(),
+            self.block_scale[r].clone(),
+            self.global_scale[r].clone(),
+            self.input_scale,
+        )
+
+    def columns(self, start: int, stop: int) -> NVFP4Weight:
+        _whole_groups(NVFP4_BLOCK, start, stop)
+        blocks = slice(start // NVFP4_BLOCK, stop // NVFP4_BLOCK)
+        return NVFP4Weight(
+            self.packed[:, start // 2 : stop // 2].clone(),
+            self.block_scale[:, blocks].clone(),
+            self.global_scale,
+            self.input_scale,
         )
 
 

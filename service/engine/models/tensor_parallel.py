@@ -39,14 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.quant import (
-    FP8Weight,
-    Int4Weight,
-    Int8Weight,
-    NVFP4Weight,
-    QuantizationError,
-    QuantizedWeight,
-)
+from service.engine.models.quant import QuantizationError, QuantizedWeight
 from service.util import cdiv
 
 Weight = Tensor | QuantizedWeight
@@ -171,58 +164,19 @@ def shard_weights(weights: Iterable[tuple[str, Weight]], layout: TPLayout) -> It
 
 
 def slice_rows(weight: Weight, start: int, stop: int, name: str) -> Weight:
-    """Output rows [start, stop) of a float or quantized [N, K] weight (or a bias): every
-    per-row tensor of the format, static input scales unchanged."""
-    rows = slice(start, stop)
-    if isinstance(weight, Tensor):
-        return weight[rows].clone()
-    if isinstance(weight, Int8Weight | FP8Weight):
-        return dataclasses.replace(weight, q=weight.q[rows].clone(), scale=weight.scale[rows].clone())
-    if isinstance(weight, Int4Weight):
-        return dataclasses.replace(
-            weight, q=weight.q[rows].clone(), scale=weight.scale[rows].clone(), zero=weight.zero[rows].clone()
-        )
-    if isinstance(weight, NVFP4Weight):
-        return dataclasses.replace(
-            weight,
-            packed=weight.packed[rows].clone(),
-            block_scale=weight.block_scale[rows].clone(),
-            global_scale=weight.global_scale[rows].clone(),
-        )
-    raise QuantizationError(f"{name}: {type(weight).__name__} cannot be split for tensor parallelism")
+    """Output rows [start, stop) of a float or quantized [N, K] weight (or a bias)."""
+    return weight[start:stop].clone() if isinstance(weight, Tensor) else weight.rows(start, stop)
 
 
 def slice_columns(weight: Weight, start: int, stop: int, name: str) -> Weight:
-    """Input columns [start, stop) of a float or quantized [N, K] weight, whole quantization
-    groups only (per-row scales and static input scales apply to any columns unchanged)."""
+    """Input columns [start, stop) of a float or quantized [N, K] weight (whole quantization
+    groups only)."""
     if isinstance(weight, Tensor):
         return weight[:, start:stop].clone()
-    if isinstance(weight, Int8Weight | FP8Weight):
-        return dataclasses.replace(weight, q=weight.q[:, start:stop].clone())
-    if isinstance(weight, Int4Weight):
-        group = _whole_groups(weight.group_size, start, stop, name)
-        return dataclasses.replace(
-            weight,
-            q=weight.q[:, start:stop].clone(),
-            scale=weight.scale[:, start // group : stop // group].clone(),
-            zero=weight.zero[:, start // group : stop // group].clone(),
-        )
-    if isinstance(weight, NVFP4Weight):
-        _whole_groups(16, start, stop, name)
-        return dataclasses.replace(
-            weight,
-            packed=weight.packed[:, start // 2 : stop // 2].clone(),
-            block_scale=weight.block_scale[:, start // 16 : stop // 16].clone(),
-        )
-    raise QuantizationError(f"{name}: {type(weight).__name__} cannot be split for tensor parallelism")
-
-
-def _whole_groups(group: int, start: int, stop: int, name: str) -> int:
-    if start % group or stop % group:
-        raise QuantizationError(
-            f"{name}: columns {start}..{stop} of a rank split its quantization groups of {group}"
-        )
-    return group
+    try:
+        return weight.columns(start, stop)
+    except QuantizationError as error:
+        raise QuantizationError(f"{name}: {error}") from error
 
 
 def _pad_rows(weight: Weight, rows: int, name: str) -> Weight:
