@@ -154,12 +154,6 @@ class RotaryEmbedding(nn.Module):
         return TableRope(cos, sin)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Rope(Protocol):
     def __call__(self, x: Tensor) -> Tensor:
         """Rotate x: [T, H, D] by each token's position (possibly in place); returns the result."""
