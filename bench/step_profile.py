@@ -81,7 +81,7 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
     device = engine.config.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     step = PhaseTimer(engine, "_step")
-    forward = PhaseTimer(engine.runner, "_logits", sync)
+    forward = PhaseTimer(engine.runner, "forward", sync)
     timers = [step, forward]
     if engine.runner.decode_graphs is not None:
         timers.append(PhaseTimer(engine.runner.decode_graphs, "run", sync, forward.times))

@@ -154,7 +154,7 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
         plan = engine._plan(scheduled)
         assert decoder.fits(plan) and plan.num_sequences == 3
         scratch = engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block].clone()
-        eager, _ = engine.runner._logits(plan)
+        eager, _ = engine.runner.forward(plan)
         bucket = decoder.stage(plan)
         assert bucket == 4  # one padding row
         replayed = decoder.forward(bucket)[: plan.num_sequences]

@@ -130,12 +130,15 @@ def test_selection_skips_profiles_the_engine_would_refuse() -> None:
     settings = load_settings()
     manifest = manifest_for(settings)
     torch_profile = next(p for p in manifest.profiles if p.llm_engine == "torch")
-    tp2: Profile = replace(torch_profile, tp=2)
-    verdict = evaluate(
-        tp2, manifest.architecture, load_system(REPO / "tests/systems/h100x8.json"), policy_for(settings)
-    )
+    h100x8 = load_system(REPO / "tests/systems/h100x8.json")
+    tp16: Profile = replace(torch_profile, tp=16)
+    verdict = evaluate(tp16, manifest.architecture, h100x8, policy_for(settings))
     assert verdict.status == "incompatible"
-    assert any("tensor parallelism" in r for r in verdict.reasons)
+    assert "the torch engine runs tensor parallelism up to 8, not tp=16" in verdict.reasons
+    pp2: Profile = replace(torch_profile, pp=2)
+    verdict = evaluate(pp2, manifest.architecture, h100x8, policy_for(settings))
+    assert verdict.status == "incompatible"
+    assert "the torch engine does not run pipeline parallelism (pp=2)" in verdict.reasons
     assert set(ENGINES) == {"torch", "tensorrt_llm"}
 
 

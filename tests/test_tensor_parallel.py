@@ -200,3 +200,26 @@ def test_two_gloo_ranks_compute_the_unsharded_model(
     error = float(np.abs(got_logits - want_logits).max())
     assert error <= tolerance * scale, (error, scale)
     assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_read_their_shards_straight_from_the_files(tmp_path: Path, size: int) -> None:
+    """Float weights: each rank's slices read from the safetensors files equal the whole tensors
+    read and then sliced (vocabulary padding included); quantized-at-load weights are not read
+    that way (they are quantized whole, then sliced)."""
+    from service.engine.models.loader import hf_dir_shards
+
+    directory = _checkpoint(tmp_path / "model")  # vocab 250: the last of 4 ranks is padded
+    config, _ = load_hf_dir(directory, "bf16")
+    for rank in range(size):
+        layout = TPLayout(config, rank, size)
+        direct = hf_dir_shards(directory, "bf16", layout)
+        assert direct is not None
+        got = dict(direct)
+        _, weights = load_hf_dir(directory, "bf16")
+        want = dict(shard_weights(weights, layout))
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert isinstance(tensor, torch.Tensor)
+            assert torch.equal(got[name], tensor), name  # type: ignore[arg-type]
+    assert hf_dir_shards(directory, "int8_wo", TPLayout(config, 0, 2)) is None

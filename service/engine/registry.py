@@ -34,11 +34,11 @@ class EngineSupport:
         if precision not in self.precisions:
             return f"runs {', '.join(sorted(self.precisions))} weights, not {precision}"
         if tp > self.max_tensor_parallel:
-            return f"tensor parallelism (tp={tp}) is not supported yet"
+            return f"runs tensor parallelism up to {self.max_tensor_parallel}, not tp={tp}"
         if pp > self.max_pipeline_parallel:
-            return f"pipeline parallelism (pp={pp}) is not supported"
+            return f"does not run pipeline parallelism (pp={pp})"
         if lora and not self.lora:
-            return "LoRA adapters are not supported yet"
+            return "does not serve LoRA adapters yet"
         return None
 
 
@@ -54,7 +54,7 @@ ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry(
         "torch",
         "service.engine.torch.loading",
-        EngineSupport(precisions=TORCH_PRECISIONS),
+        EngineSupport(precisions=TORCH_PRECISIONS, max_tensor_parallel=8),
         needs="torch",
     ),
     "tensorrt_llm": EngineEntry(

@@ -33,6 +33,7 @@ from service.engine.models.quant import (
     gguf_q4_1,
     quantize,
 )
+from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
 from service.model_store import PICKLE_SUFFIXES
 
@@ -124,6 +125,37 @@ def load_hf_dir(path: Path, precision: str) -> tuple[ModelConfig, Iterator[tuple
             f"not {precision}; choose one of its {quant.precision} profiles"
         )
     return config, read_quantized(files, quant)
+
+
+def hf_dir_shards(path: Path, precision: str, layout: TPLayout) -> Iterator[tuple[str, Weight]] | None:
+    """A tensor-parallel rank's shards of an HF directory's weights, reading only their bytes,
+    where weights are used as stored (a float precision of an unquantized checkpoint); None
+    elsewhere. Weights quantized at load are quantized whole and then sliced (an int8 row's scale
+    spans the whole row), so each rank's shards equal the one-rank weights; ModelOpt checkpoints
+    are read whole too. Either way a rank holds one whole tensor at most besides its shards."""
+    if precision not in FLOAT_PRECISIONS:
+        return None
+    if checkpoint_quantization(path, json.loads((path / "config.json").read_text())) is not None:
+        return None
+    return _read_safetensor_shards(_safetensors_files(path), layout)
+
+
+def _read_safetensor_shards(files: list[Path], layout: TPLayout) -> Iterator[tuple[str, Weight]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                split = layout.split_of(name)
+                if split is None or split[0] == "bias":  # replicated (or rank 0's bias): small
+                    yield name, layout.shard(name, handle.get_tensor(name))
+                    continue
+                how, start, stop = split
+                stored = handle.get_slice(name)  # reads only the bytes indexed below
+                if how == "columns":
+                    yield name, stored[:, start:stop]
+                    continue
+                rows = stored.get_shape()[0]
+                part = stored[start : min(stop, rows)]
+                yield name, part if stop <= rows else pad_rows(part, stop - start, name)
 
 
 def load_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -150,7 +150,7 @@ class TPLayout:
         if how == "columns":
             return slice_columns(tensor, start, stop, name)
         if stop > tensor.shape[0]:  # the padded end of the vocabulary
-            return _pad_rows(slice_rows(tensor, start, min(stop, tensor.shape[0]), name), stop - start, name)
+            return pad_rows(slice_rows(tensor, start, min(stop, tensor.shape[0]), name), stop - start, name)
         return slice_rows(tensor, start, stop, name)
 
 
@@ -179,7 +179,8 @@ def slice_columns(weight: Weight, start: int, stop: int, name: str) -> Weight:
         raise QuantizationError(f"{name}: {error}") from error
 
 
-def _pad_rows(weight: Weight, rows: int, name: str) -> Weight:
+def pad_rows(weight: Weight, rows: int, name: str) -> Weight:
+    """`weight` followed by zero rows up to `rows` (the padded end of a split vocabulary)."""
     if not isinstance(weight, Tensor):
         raise QuantizationError(f"{name}: a quantized vocabulary must divide by the tensor-parallel size")
     padded = weight.new_zeros((rows, *weight.shape[1:]))
@@ -211,6 +212,12 @@ class ProcessGroupCollectives:
         self.size = dist.get_world_size(group)
 
     def all_reduce(self, x: Tensor) -> Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # Sum the ranks' partial results in float32 and round once, as one rank's matmul
+            # rounds its float32 accumulator once (a 16-bit sum rounds at every addition).
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            return x.copy_(wide)
         dist.all_reduce(x, group=self.group)
         return x
 

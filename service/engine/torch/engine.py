@@ -54,6 +54,7 @@ from service.engine.torch.model_runner import ModelRunner, StepResult
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from service.engine.torch.step_plan import NewRequest, ScheduledSequence, StepPlan, build_plan
+from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.tokenizer import Tokenizer
 from service.util import one_line
 
@@ -130,6 +131,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Fail:
+    """Posted by another thread that saw the engine become unusable (a tensor-parallel rank died)."""
+
+    error: BaseException
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -139,8 +147,10 @@ class TorchEngine:
         config: TorchEngineConfig,
         info: EngineInfo,
         on_fatal: Callable[[BaseException], None] | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         self.model = model
+        self.tp_group = tp_group  # tensor parallelism: the worker ranks (this process is rank 0)
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -157,10 +167,12 @@ class TorchEngine:
             graphs = CudaGraphDecoder(
                 model, self.kv_pool, config.max_num_seqs, config.max_model_len, config.device
             )
-        self.runner = ModelRunner(model, self.kv_pool, config.device, graphs, config.decode_kernel)
+        self.runner = ModelRunner(
+            model, self.kv_pool, config.device, graphs, config.decode_kernel, followers=tp_group
+        )
         self._live: dict[str, _Live] = {}
         self._ended: list[str] = []  # requests whose runner state the next plan releases
-        self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Abort | _Fail | None] = queue.Queue()
         self._inbox_lock = threading.Lock()  # orders submissions against the engine dying
         self._thread: threading.Thread | None = None
         self._ready = False
@@ -214,9 +226,15 @@ class TorchEngine:
             loop.call_soon_threadsafe(settle, None)
             self._run()
 
+        if self.tp_group is not None:
+            self.tp_group.watch(lambda exc: self._inbox.put(_Fail(exc)))
         self._thread = threading.Thread(target=run, name="torch-engine", daemon=True)
         self._thread.start()
-        await warmed
+        try:
+            await warmed
+        except BaseException:
+            await self._stop_ranks()
+            raise
         self._ready = True
 
     async def stop(self) -> None:
@@ -224,6 +242,11 @@ class TorchEngine:
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        await self._stop_ranks()
+
+    async def _stop_ranks(self) -> None:
+        if self.tp_group is not None:
+            await asyncio.to_thread(self.tp_group.shutdown)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
@@ -272,6 +295,12 @@ class TorchEngine:
 
     def _die(self, exc: BaseException) -> None:
         message = one_line(exc, with_type=True)
+        if self.tp_group is not None:
+            death = self.tp_group.wait_for_death(1.0)  # a collective may fail before the watchdog wakes
+            if death is not None and death not in message:
+                message = f"{death}; {message}"  # the cause beside what the step saw
+                exc = TensorParallelError(message)
+            self.tp_group.shutdown()  # no rank outlives the engine
         with self._inbox_lock:  # nothing is submitted after this, and nothing before is stranded
             self._failure = message  # readiness turns false first
             stranded: list[_Submit] = []
@@ -298,9 +327,11 @@ class TorchEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: _Submit | _Abort | None) -> None:
+    def _handle(self, item: _Submit | _Abort | _Fail | None) -> None:
         if item is None:
             self._stopping = True
+        elif isinstance(item, _Fail):
+            raise item.error
         elif isinstance(item, _Submit):
             try:
                 self._admit(item)

@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
 from service.engine.models import quant_cache
-from service.engine.models.config import ModelConfig
+from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import prepacking_supported
+from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
     build_model,
+    hf_dir_shards,
     load_gguf,
     load_hf_dir,
     quantizes_at_load,
 )
 from service.engine.models.quant import QuantizationError
-from service.engine.precision import FLOAT_PRECISIONS, precision_mode
+from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
+from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
+from service.engine.torch.tp_group import RankSetup, TPGroup
 from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
+from service.logging import JSONLinesFormatter
 from service.tokenizer import Tokenizer
 from service.util import cdiv
 
@@ -46,31 +53,80 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer)
 
 
-def build_engine(
-    config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
-) -> TorchEngine:
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and activation dtype `config` asks for, refusing combinations that cannot run."""
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
     if config.fused_kernels and (device.type != "cuda" or not triton_support.available()):
         raise UnsupportedConfigError(
             "NIM_FUSED_KERNELS=1 needs a CUDA device and triton; unset it to run PyTorch's ops"
         )
-    if device.type == "cpu":
-        torch.set_num_threads(config.num_threads or available_cpu_count())
+    if config.precision == "fp8" and device.type == "cuda" and dtype == torch.float32:
+        raise UnsupportedConfigError("fp8 profiles compute in bf16 or fp16 on CUDA; unset NIM_DTYPE=float32")
+    size = config.tensor_parallel_size
+    if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
+        raise UnsupportedConfigError(
+            f"tensor parallelism {size} needs {size} GPUs; {torch.cuda.device_count()} are visible"
+        )
+    return device, dtype
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One rank's model (the whole model when there is one rank) and what its KV pool holds."""
+
+    model: LlamaForCausalLM
+    model_config: ModelConfig  # the whole model's
+    kv_spec: KVCacheSpec  # this rank's kv heads
+    max_model_len: int
+    mode: Mode  # how the weight precision runs
+    decode_kernel: bool  # decodes attend through the Triton paged kernel (CUDA)
+
+    def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
+        """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory."""
+        device = self.model.model.norm.weight.device
+        share = ranks if device.type == "cpu" else 1
+        return size_kv_cache(
+            self.kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, self.max_model_len, share
+        )
+
+
+def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+    """The checkpoint's config, and its weights in the profile's precision (read lazily)."""
+    if config.model_format == "gguf":
+        return load_gguf(config.model_path, config.precision)
+    return load_hf_dir(config.model_path, config.precision)
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse a tensor-parallel size the model does not divide into, before any rank starts."""
+    try:
+        model_config, _ = read_weights(config)  # the weights are not read
+        TPLayout(model_config, 0, config.tensor_parallel_size)
+    except (QuantizationError, UnsupportedModelError) as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
+
+
+def load_rank(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int = 0,
+    size: int = 1,
+) -> RankLoad:
+    """Read this rank's weights (its shard, one checkpoint tensor at a time, when `size` > 1:
+    the caller has joined the process group) and build its model."""
     started = time.monotonic()
     quantized = config.precision not in FLOAT_PRECISIONS
-    if quantized and config.precision == "fp8" and device.type == "cuda" and dtype == torch.float32:
-        raise UnsupportedConfigError("fp8 profiles compute in bf16 or fp16 on CUDA; unset NIM_DTYPE=float32")
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     mode = precision_mode(config.precision, device.type, capability)
     try:
-        if config.model_format == "gguf":
-            model_config, weights = load_gguf(config.model_path, config.precision)
-            tokenizer = Tokenizer.from_gguf(config.model_path)
-        else:
-            model_config, weights = load_hf_dir(config.model_path, config.precision)
-            tokenizer = Tokenizer.from_directory(config.model_path)
+        model_config, weights = read_weights(config)
         max_model_len = context_length(model_config, config.max_model_len)
+        layout = TPLayout(model_config, rank, size) if size > 1 else None
+        shards = None
+        if layout is not None and config.model_format == "hf_dir":
+            shards = hf_dir_shards(config.model_path, config.precision, layout)
         writer = None
         if config.weight_cache_dir is not None and quantizes_at_load(
             config.model_path, config.model_format, config.precision
@@ -81,24 +137,34 @@ def build_engine(
             cached = quant_cache.read(entry)
             if cached is not None:
                 weights = cached
-            else:
+            elif layout is None:  # the writer keeps a whole copy: never under tensor parallelism
                 writer = quant_cache.Writer(entry, config.model_path, config.precision)
                 weights = writer.wrap(weights)
-        model = build_model(model_config, weights, dtype, device)
+        if layout is None:
+            model = build_model(model_config, weights, dtype, device)
+        else:
+            # Only this rank's bytes where the files hold the weights as used; else one whole
+            # tensor at a time, sliced (`weights`, a lazy stream, is then read instead).
+            local = shards if shards is not None else shard_weights(weights, layout)
+            model = build_model(layout.local_config(), local, dtype, device)
+            model.use_tensor_parallel(ProcessGroupCollectives(), layout)
         if writer is not None:
             writer.commit()
     except QuantizationError as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
+    except UnsupportedModelError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     if config.fused_kernels:
         model.use_fused_kernels()
     if prepacking_supported(dtype, device):
         model.prepack_for_cpu()
     log.info(
-        "loaded %s (%s, %d layers) on %s, %s weights (%s, %.0f MB read per step), %s activations, "
+        "loaded %s (%s, %d layers)%s on %s, %s weights (%s, %.0f MB read per step), %s activations, "
         "context %d, in %.1f s",
         config.model_path,
         model_config.architecture,
         model_config.num_layers,
+        "" if layout is None else f" rank {rank} of {size}",
         device,
         config.precision if quantized else PRECISION_NAMES[dtype],
         mode,
@@ -109,41 +175,92 @@ def build_engine(
     )
     kv_spec = KVCacheSpec(
         num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
+        num_kv_heads=model.config.num_kv_heads,  # this rank's
         head_dim=model_config.head_dim,
         block_size=config.kv_cache.block_size,
         cache_dtype=config.kv_cache.dtype,
         model_dtype=dtype,
     )
-    num_blocks = size_kv_cache(kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, max_model_len)
     decode_kernel = device.type == "cuda" and decode_kernel_supported(kv_spec)
+    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel)
+
+
+def build_engine(
+    config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
+) -> TorchEngine:
+    device, dtype = resolve_device(config)
+    size = config.tensor_parallel_size
+    threads = config.num_threads or available_cpu_count()
+    if device.type == "cpu":
+        # Tensor-parallel ranks on one host share its cores.
+        torch.set_num_threads(max(1, threads // size))
+    group = None
+    if size > 1:
+        check_tensor_parallel(config)
+        root = logging.getLogger()
+        setup = RankSetup(
+            config=config,
+            size=size,
+            init_method=f"tcp://127.0.0.1:{free_local_port()}",
+            threads=max(1, threads // size),
+            log_level=root.getEffectiveLevel(),
+            jsonl_logs=any(isinstance(h.formatter, JSONLinesFormatter) for h in root.handlers),
+        )
+        group = TPGroup(setup, device)
+    try:
+        if group is not None:
+            group.join()
+        loaded = load_rank(config, device, dtype, 0, size)
+        if config.model_format == "gguf":
+            tokenizer = Tokenizer.from_gguf(config.model_path)
+        else:
+            tokenizer = Tokenizer.from_directory(config.model_path)
+        num_blocks = loaded.propose_blocks(config, size)
+        if group is not None:
+            num_blocks = group.agree_blocks(num_blocks)
+    except BaseException:
+        if group is not None:
+            group.shutdown()
+        raise
+    if size > 1 and loaded.decode_kernel and not config.enforce_eager:
+        log.info("tensor parallelism %d: decode steps run eagerly (no CUDA graphs across ranks yet)", size)
     engine_config = TorchEngineConfig(
-        max_model_len=max_model_len,
+        max_model_len=loaded.max_model_len,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         num_blocks=num_blocks,
-        kv_spec=kv_spec,
+        kv_spec=loaded.kv_spec,
         enable_prefix_caching=config.kv_cache.enable_prefix_caching,
         device=device,
         dtype=dtype,
-        decode_kernel=decode_kernel,
-        cuda_graphs=decode_kernel and not config.enforce_eager,
+        decode_kernel=loaded.decode_kernel,
+        cuda_graphs=loaded.decode_kernel and not config.enforce_eager and size == 1,
     )
+    quantized = config.precision not in FLOAT_PRECISIONS
     info = EngineInfo(
         engine="torch",
-        architecture=model_config.architecture,
-        max_model_len=max_model_len,
-        vocab_size=model_config.vocab_size,
+        architecture=loaded.model_config.architecture,
+        max_model_len=loaded.max_model_len,
+        vocab_size=loaded.model_config.vocab_size,
         weight_precision=config.precision if quantized else PRECISION_NAMES[dtype],
-        precision_mode=mode,
-        kv_cache_dtype=kv_spec.name,
-        kv_block_size=kv_spec.block_size,
+        precision_mode=loaded.mode,
+        kv_cache_dtype=loaded.kv_spec.name,
+        kv_block_size=loaded.kv_spec.block_size,
         kv_num_blocks=num_blocks,
         device=str(device),
-        tensor_parallel_size=1,
+        tensor_parallel_size=size,
         features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching),
     )
-    return TorchEngine(model, model_config, tokenizer, engine_config, info, on_fatal=on_fatal)
+    return TorchEngine(
+        loaded.model, loaded.model_config, tokenizer, engine_config, info, on_fatal=on_fatal, tp_group=group
+    )
+
+
+def free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def decode_kernel_supported(spec: KVCacheSpec) -> bool:
@@ -196,15 +313,21 @@ def context_length(model: ModelConfig, requested: int | None) -> int:
 
 
 def size_kv_cache(
-    spec: KVCacheSpec, kv: KVCacheConfig, max_num_seqs: int, device: torch.device, max_model_len: int
+    spec: KVCacheSpec,
+    kv: KVCacheConfig,
+    max_num_seqs: int,
+    device: torch.device,
+    max_model_len: int,
+    sharers: int = 1,
 ) -> int:
-    """Number of KV blocks: a share of free memory, capped by an explicit token count and by
-    what max_num_seqs full-context sequences could ever use. Logged, since it bounds concurrency.
+    """Number of KV blocks: a share of free memory (split between `sharers` pools on one device),
+    capped by an explicit token count and by what max_num_seqs full-context sequences could ever
+    use. Logged, since it bounds concurrency.
     """
     fraction = kv.memory_fraction
     if fraction is None:
         fraction = DEFAULT_KV_FRACTION[device.type]
-    budget_tokens = int(free_memory_bytes(device) * fraction) // spec.bytes_per_token()
+    budget_tokens = int(free_memory_bytes(device) * fraction / sharers) // spec.bytes_per_token()
     caps = [budget_tokens, max_num_seqs * max_model_len]
     if kv.max_tokens is not None:
         caps.append(kv.max_tokens)

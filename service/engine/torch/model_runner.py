@@ -8,6 +8,7 @@ arrives in the plan, so it could run in another process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,12 @@ from service.engine.torch.paged_attention import (
 from service.engine.torch.sampler import SampledToken, SamplingRow, make_generator, sample, token_logprob
 from service.engine.torch.step_plan import NewRequest, StepPlan
 from service.util import cdiv
+
+
+class Followers(Protocol):
+    """Tensor-parallel ranks that run each plan's forward pass beside this one."""
+
+    def send(self, plan: StepPlan) -> None: ...
 
 
 @dataclass
@@ -63,8 +70,12 @@ class ModelRunner:
         device: torch.device,
         decode_graphs: CudaGraphDecoder | None = None,
         decode_kernel: bool = False,
+        followers: Followers | None = None,
     ) -> None:
+        if followers is not None and decode_graphs is not None:
+            raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
         self.model = model
+        self.followers = followers  # tensor parallelism: the other ranks, sent each plan first
         self.decode_kernel = decode_kernel  # decodes attend through the Triton paged kernel
         self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
         self.pool = pool
@@ -92,7 +103,9 @@ class ModelRunner:
             logits = self.decode_graphs.run(plan)  # [S, V]: every sequence decodes and samples
             spans = [(i, i + 1) for i in range(plan.num_sequences)]
         else:
-            logits, spans = self._logits(plan)
+            if self.followers is not None:
+                self.followers.send(plan)
+            logits, spans = self.forward(plan)
 
         prompt_logprobs = self._prompt_logprobs(plan, logits, spans)
         sampling = [i for i, s in enumerate(plan.sample) if s]
@@ -106,8 +119,9 @@ class ModelRunner:
             state.token_ids.append(token.token_id)
         return StepResult(sampled, prompt_logprobs)
 
-    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """One eager forward pass; the logits of the rows that need them, and each sequence's span.
+        (Tensor-parallel worker ranks run just this, in step with rank 0.)
 
         The rows: every token of a prompt-logprobs chunk, else the last token of each sequence
         that samples.
