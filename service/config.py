@@ -122,7 +122,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         validation_alias=_env("NIM_TENSOR_PARALLEL_SIZE"),
-        description="Only consider profiles with this tensor-parallel size.",
+        description="Only consider profiles with this tensor-parallel size; torch profiles are sharded to "
+        "it at load (on the CPU tensor parallelism runs only when this asks for it).",
     )
     system_info: Path | None = Field(
         None,

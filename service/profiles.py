@@ -243,10 +243,11 @@ class Verdict:
     required_gb_per_device: float = 0.0
     mode: Mode = "native"  # how its precision runs here
     mode_note: str = "native"  # why, in a phrase
+    placement: str = ""  # where a tensor-parallel profile's ranks run (" on GPUs 0, 1")
 
     def summary(self) -> str:
         if self.status == "compatible":
-            fits = f"fits: {self.required_gb_per_device:.1f} GB per device"
+            fits = f"fits: {self.required_gb_per_device:.1f} GB per device{self.placement}"
             return fits if self.mode == "native" else f"{fits}; {self.profile.precision} {self.mode_note}"
         return "; ".join(self.reasons)
 
@@ -281,8 +282,11 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
     if not system.gpus:
         if profile.llm_engine == "tensorrt_llm":
             reasons.append(f"needs an NVIDIA GPU; none found ({system.nvml_status})")
-        elif devices > 1:
-            reasons.append(f"needs {devices} GPUs; none found ({system.nvml_status})")
+        elif profile.tp > 1 and policy.tensor_parallel_size != profile.tp:
+            reasons.append(
+                f"needs {devices} GPUs, none found ({system.nvml_status}); on the CPU, tensor "
+                f"parallelism runs only when NIM_TENSOR_PARALLEL_SIZE={profile.tp} asks for it"
+            )
         elif profile.precision == "fp16":
             reasons.append("fp16 needs a GPU; on the CPU the engine computes in bf16 or fp32")
     else:
@@ -326,27 +330,43 @@ def _precision_mode(profile: Profile, system: SystemInfo) -> tuple[Mode, str]:
 
 def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, policy: Policy) -> Verdict:
     devices = profile.tp * profile.pp
+    per_token = kv_bytes_per_token_per_device(profile, arch)
+    overhead = RUNTIME_OVERHEAD_BYTES
     if system.gpus:
         capacity = min(g.memory_total for g in system.gpus[:devices]) * GPU_MEMORY_UTILIZATION
         where = "GPU"
-    else:
+        weights = profile.weights_gb * 1e9 / devices
+    else:  # tensor-parallel ranks on the CPU share one host's memory
         capacity = system.cpu.memory_total * CPU_MEMORY_UTILIZATION
         where = "host memory"
-    weights = profile.weights_gb * 1e9 / devices
-    per_token = kv_bytes_per_token_per_device(profile, arch)
+        weights, overhead, per_token = profile.weights_gb * 1e9, overhead * devices, per_token * devices
     context = min(policy.max_model_len or arch.max_context, arch.max_context)
-    required = weights + RUNTIME_OVERHEAD_BYTES + per_token * context
+    required = weights + overhead + per_token * context
     gb = 1e9
-    if weights + RUNTIME_OVERHEAD_BYTES + per_token * MIN_CONTEXT > capacity:
+    if system.gpus and devices > 1:
+        short = [g for g in system.gpus[:devices] if g.memory_free < weights + overhead]
+        if short:
+            busy = ", ".join(f"GPU {g.index} has {g.memory_free / gb:.1f} GB free" for g in short)
+            return Verdict(
+                profile,
+                "incompatible",
+                (f"needs {(weights + overhead) / gb:.1f} GB free on each of {devices} GPUs; {busy}",),
+                required_gb_per_device=required / gb,
+            )
+    if weights + overhead + per_token * MIN_CONTEXT > capacity:
         return Verdict(
             profile,
             "incompatible",
             (f"requires >= {required / gb:.1f} GB per {where}, {capacity / gb:.1f} GB usable",),
             required_gb_per_device=required / gb,
         )
+    placed = ""
+    if devices > 1:
+        placed = f" on GPUs {', '.join(str(g.index) for g in system.gpus[:devices])}" if system.gpus else ""
+        placed = placed or f" as {devices} CPU processes (NIM_TENSOR_PARALLEL_SIZE={profile.tp})"
     if required <= capacity:
-        return Verdict(profile, "compatible", required_gb_per_device=required / gb)
-    fits = int((capacity - weights - RUNTIME_OVERHEAD_BYTES) / per_token) // MIN_CONTEXT * MIN_CONTEXT
+        return Verdict(profile, "compatible", required_gb_per_device=required / gb, placement=placed)
+    fits = int((capacity - weights - overhead) / per_token) // MIN_CONTEXT * MIN_CONTEXT
     return Verdict(
         profile,
         "low_memory",
@@ -385,9 +405,24 @@ class Selection:
     explanation: list[str] = field(default_factory=list)
 
 
+def candidates(manifest: Manifest, policy: Policy) -> tuple[Profile, ...]:
+    """The manifest's profiles, plus its tp=1 torch profiles at NIM_TENSOR_PARALLEL_SIZE: the
+    torch engine shards weights as it loads them, so it runs any of its profiles at any tensor-
+    parallel size the model's heads divide into (TensorRT-LLM profiles are built for theirs)."""
+    size = policy.tensor_parallel_size
+    if size is None or size == 1:
+        return manifest.profiles
+    names = {p.name for p in manifest.profiles}
+    sharded = (
+        dataclasses.replace(p, tp=size) for p in manifest.profiles if p.llm_engine == "torch" and p.tp == 1
+    )
+    return manifest.profiles + tuple(p for p in sharded if p.name not in names)
+
+
 def assess(manifest: Manifest, system: SystemInfo, policy: Policy) -> list[Verdict]:
     """Every profile's verdict; compatible ones first, in preference order."""
-    verdicts = [evaluate(p, manifest.architecture, system, policy) for p in manifest.profiles]
+    profiles = candidates(manifest, policy)
+    verdicts = [evaluate(p, manifest.architecture, system, policy) for p in profiles]
     order = {"compatible": 0, "low_memory": 1, "incompatible": 2}
     return sorted(verdicts, key=lambda v: (order[v.status], rank_key(v, system, policy)))
 

@@ -250,3 +250,38 @@ def test_emulated_profiles_are_not_chosen_when_a_native_one_fits_with_a_shorter_
     # With the shorter context the native int4 profile is chosen.
     shorter = Policy(engines=TORCH_ONLY.engines, max_model_len=32768)
     assert select(m, small, shorter).chosen.profile.name == "torch-generic-int4_wo-tp1-pp1-throughput"
+
+
+def test_torch_tensor_parallel_profiles_need_that_many_gpus_with_room(manifests) -> None:
+    m = manifest(manifests, "meta-llama/Llama-3.3-70B-Instruct")
+    h100x8 = system("h100x8")
+    chosen = select(m, h100x8, TORCH_ONLY)
+    assert chosen.chosen.profile.name == "torch-generic-fp8-tp2-pp1-throughput"
+    assert "on GPUs 0, 1" in chosen.explanation[0]
+    one_gpu = {v.profile.name: v for v in assess(m, system("h100x1"), TORCH_ONLY)}
+    assert "needs 2 GPUs (tp=2 x pp=1), found 1" in one_gpu["torch-generic-fp8-tp2-pp1-throughput"].summary()
+    # GPU 1 mostly taken by another process: neither tp profile over GPUs 0.. can run.
+    gpus = list(h100x8.gpus)
+    gpus[1] = dataclasses.replace(gpus[1], memory_free=10 * 10**9)
+    busy = dataclasses.replace(h100x8, gpus=tuple(gpus))
+    verdicts = {v.profile.name: v for v in assess(m, busy, TORCH_ONLY)}
+    fp8_tp2 = verdicts["torch-generic-fp8-tp2-pp1-throughput"]
+    assert fp8_tp2.status == "incompatible" and "GPU 1 has 10.0 GB free" in fp8_tp2.summary()
+
+
+def test_cpu_tensor_parallelism_only_when_asked() -> None:
+    arch = Architecture(num_layers=4, num_kv_heads=2, head_dim=16, max_context=2048)
+    m = generic_manifest("my-model", "/models/my-model", arch, weights_bytes=10_000_000)
+    cpu = system("cpu_only")
+    assert {v.profile.tp for v in assess(m, cpu, TORCH_ONLY)} == {1}
+    asked = Policy(engines=TORCH_ONLY.engines, tensor_parallel_size=2)
+    verdicts = assess(m, cpu, asked)
+    chosen = select(m, cpu, asked).chosen
+    assert chosen.profile.tp == 2 and "as 2 CPU processes (NIM_TENSOR_PARALLEL_SIZE=2)" in chosen.summary()
+    one_rank = next(v for v in verdicts if v.profile.tp == 1 and v.profile.precision == "bf16")
+    assert "tp=1, but NIM_TENSOR_PARALLEL_SIZE=2" in one_rank.summary()
+    # A manifest's tp=2 torch profile on a CPU, not asked for: listed with the reason.
+    big = manifest(load_manifests(), "meta-llama/Llama-3.3-70B-Instruct")
+    listed = {v.profile.name: v for v in assess(big, cpu, TORCH_ONLY)}
+    tp2 = listed["torch-generic-fp8-tp2-pp1-throughput"]
+    assert "only when NIM_TENSOR_PARALLEL_SIZE=2 asks for it" in tp2.summary()
