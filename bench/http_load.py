@@ -123,11 +123,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
     args = parser.parse_args()
 
     models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]
     args.model = args.model or models[0]["id"]
-    vocab = 49152
+    vocab = args.vocab
     warm = argparse.Namespace(**{**vars(args), "requests": args.warmup, "concurrency": 1, "output_len": 4})
     asyncio.run(run_once(warm, vocab))
     runs = [asyncio.run(run_once(args, vocab)) for _ in range(args.repeat)]
