@@ -63,6 +63,12 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
         print("  generic, lower precision first,")
         order = "smallest" if settings.profile_type == "throughput" else "largest"
         print(f"  {settings.profile_type} profiles first, then the {order} tp")
+        if system.gpus:
+            print("- tensor parallelism: a tp=N profile runs on GPUs 0..N-1 when each has room for its")
+            print("  shard; NIM_TENSOR_PARALLEL_SIZE=N also runs the tp=1 torch profiles sharded over N GPUs")
+        else:
+            print("- tensor parallelism on the CPU runs only when NIM_TENSOR_PARALLEL_SIZE=N asks for it:")
+            print("  the tp=1 torch profiles, sharded over N processes that share this host's cores")
 
 
 def _line(verdict: Verdict, selected: str | None, indent: str) -> str:

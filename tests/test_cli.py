@@ -63,6 +63,7 @@ def test_list_model_profiles_for_the_embedded_model() -> None:
         "selected torch-generic-int4_wo-tp1-pp1-throughput" in explanation
         and "lowest runnable precision (int4_wo, native" in explanation
     )
+    assert "tensor parallelism on the CPU runs only when NIM_TENSOR_PARALLEL_SIZE=N" in explanation
     runnable = out.split("Compatible with system and runnable:")[1].split("Compatible with system but")[0]
     fp8 = next(line for line in runnable.splitlines() if "torch-generic-fp8-" in line)
     assert "[emulated:" in fp8 and "dequantized per layer" in fp8
