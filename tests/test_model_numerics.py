@@ -262,6 +262,24 @@ class PackedCausalAttention:
         return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (33, 2048), (5, 9, 64), (3, 4096)])
+def test_rms_norm_of_16_bit_inputs_is_hfs_float32_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """RMSNorm hands 16-bit activations to PyTorch's rms_norm directly: it must round exactly as
+    HF's upcast, normalise in float32, cast back does (x * rsqrt(mean(x^2) + eps))."""
+    from service.engine.models.llama import RMSNorm
+
+    torch.manual_seed(len(shape) * shape[-1])
+    x = (torch.randn(shape) * 4).to(dtype)
+    norm = RMSNorm(shape[-1], 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(shape[-1]))
+    norm = norm.to(dtype)
+    x32 = x.float()
+    want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), want)
+
+
 def test_positions_and_attention_seam(tmp_path: Path) -> None:
     """Chunked prefill + one-token decode through a cache, and packed sequences, equal full runs."""
     hf_model = _make_hf_model("qwen3")

@@ -52,6 +52,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
         self.pad_small = True  # pad batches under MIN_ROWS rows, unless needs_padding() says not
+        # The overload itself: an op packet resolves it in Python on every call.
+        self._linear = torch.ops.mkldnn._linear_pointwise.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features]
@@ -62,7 +64,7 @@ class PackedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The packed matmul itself, for any number of rows."""
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = self._linear(x, self.packed, self.bias, "none", [], "")
         return out
 
     def needs_padding(self) -> bool:

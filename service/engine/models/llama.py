@@ -4,6 +4,9 @@ The model works on a flat batch of T tokens (any mix of sequences, prefill or de
 them, runs the decoder layers and hands each layer's q/k/v to an ``Attention`` object, which alone
 knows which earlier keys each token may see. The model holds no KV state.
 
+Submodules are called through ``.forward`` inside the model: nn.Module.__call__'s hook handling
+costs about 2 µs a call, a few hundred calls a CPU decode step; nothing registers hooks on it.
+
 Numerics follow transformers' implementation operation for operation (RMSNorm in float32 then
 cast back, rotate-half RoPE with cos/sin computed in float32 then cast to the activation dtype,
 SiLU(gate) * up), so logits match it to float rounding. For speed q/k/v and gate/up are each one
@@ -46,10 +49,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.dim() == 2 and triton_ops.runs_on(x):
             return triton_ops.rms_norm(x, self.weight, self.eps)
-        # HF's LlamaRMSNorm: normalise in float32 (x * rsqrt(mean(x^2) + eps), which PyTorch's
-        # rms_norm computes in one kernel, bitwise as the separate ops do), cast back, then scale.
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # HF's LlamaRMSNorm: normalise in float32 (x * rsqrt(mean(x^2) + eps)), cast back, then
+        # scale. PyTorch's rms_norm computes in float32 for 16-bit inputs and rounds once: bitwise
+        # the upcast, normalise, cast of HF's separate ops (tests/test_model_numerics.py holds it).
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(RMSNorm(x + residual), x + residual): a residual connection and the next norm."""
@@ -163,16 +166,15 @@ class Rope(Protocol):
 @dataclass(frozen=True)
 class TableRope:
     """Rotate-half RoPE from full-width tables (RotaryEmbedding.lookup_full), shared by every
-    layer of a step: four ops per call, each element rounded as HF rounds it (x1 * cos + x2 * -sin
-    is bitwise x1 * cos - x2 * sin)."""
+    layer of a step, in place: three ops and a copy per call, each element rounded as HF rounds it
+    (x1 * cos + x2 * -sin is bitwise x1 * cos - x2 * sin)."""
 
     cos: Tensor  # [T, 1, D]: [cos, cos]
     sin: Tensor  # [T, 1, D]: [-sin, sin]
 
     def __call__(self, x: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((x2, x1), dim=-1).mul_(self.sin)
-        return (x * self.cos).add_(rotated)
+        rotated = x.roll(x.shape[-1] // 2, -1).mul_(self.sin)  # [x2, x1] * [-sin, sin]
+        return x.mul_(self.cos).add_(rotated)
 
 
 @dataclass(frozen=True)
@@ -211,13 +213,13 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: Tensor, rope: Rope, attention: Attention) -> Tensor:
         # hidden: [T, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2*Hkv) * D]
+        qkv = self.qkv_proj.forward(hidden)  # [T, (Hq + 2*Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(
             num_tokens, self.num_kv_heads, self.head_dim
         )  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(
+            q = self.q_norm.forward(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, -1)
             )
             q = rope(q)  # [T, Hq, D]
@@ -229,7 +231,7 @@ class LlamaAttention(nn.Module):
             # torch leaves Tensor.split unannotated.
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # type: ignore[no-untyped-call]
         out = attention(self.layer_idx, q, k, v)  # [T, Hq, D]
-        projected: Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: Tensor = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return projected if self.reduce is None else self.reduce(projected)
 
 
@@ -245,13 +247,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
         if self.fused and triton_ops.runs_on(gate_up):
             activated = triton_ops.silu_mul(gate_up)
         else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = F.silu(gate) * up
-        down: Tensor = self.down_proj(activated)
+            size = self.intermediate_size
+            activated = F.silu(gate_up[:, :size]) * gate_up[:, size:]
+        down: Tensor = self.down_proj.forward(activated)
         return down if self.reduce is None else self.reduce(down)
 
 
@@ -270,12 +272,12 @@ class LlamaDecoderLayer(nn.Module):
         added by the next norm (the next layer's, or the final one), fused with it on CUDA."""
         if residual is None:
             residual = hidden
-            normed = self.input_layernorm(hidden)
+            normed = self.input_layernorm.forward(hidden)
         else:
             normed, residual = self.input_layernorm.add_forward(hidden, residual)
-        attended = self.self_attn(normed, rope, attention)
+        attended = self.self_attn.forward(normed, rope, attention)
         normed, residual = self.post_attention_layernorm.add_forward(attended, residual)
-        mlp_out: Tensor = self.mlp(normed)
+        mlp_out: Tensor = self.mlp.forward(normed)
         return mlp_out, residual
 
 
@@ -335,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.for_positions(positions, hidden.dtype)
         residual: Tensor | None = None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, attention)
+            hidden, residual = layer.forward(hidden, residual, rope, attention)
         assert residual is not None, "a model has at least one layer"
         normed, _ = self.model.norm.add_forward(hidden, residual)
         return normed

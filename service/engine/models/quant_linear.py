@@ -48,6 +48,10 @@ def precision_mode(precision: str, device: torch.device) -> str:
 # The CPU int4 packing needs the output rows in multiples of this; other layers are padded.
 INT4_CPU_ROW_MULTIPLE = 16
 
+# The native CPU kernels, resolved once (an op packet resolves its overload in Python per call).
+_INT4_MM_CPU = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b for a quantized W; subclasses hold the format's tensors as buffers."""
@@ -112,10 +116,7 @@ class Int4Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
             return F.linear(x, self.dequantized(), self.bias)
-        out = cast(
-            Tensor,
-            torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros),
-        )
+        out = cast(Tensor, _INT4_MM_CPU(x, self.packed, self.group_size, self.scales_zeros))
         if out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]
         return out if self.bias is None else out + self.bias
@@ -137,7 +138,7 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.native:
-            out = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale))
+            out = cast(Tensor, _INT8_MM(x, self.q, self.scale))
             return out if self.bias is None else out + self.bias
         weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
         return F.linear(x, weight, self.bias)

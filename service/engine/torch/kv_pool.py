@@ -87,7 +87,8 @@ class KVPool:
         data = self.data[layer].view(2, heads, -1, dim)  # [2, H, S, D]
         if self.scales is None:
             # Keys and values in one index_put: [2, T, H, D] -> [2, H, T, D] at the slots.
-            data[:, :, slots] = torch.stack((k, v)).transpose(1, 2).to(data.dtype)
+            pair = torch.stack((k, v)).transpose(1, 2)
+            data[:, :, slots] = pair if pair.dtype == data.dtype else pair.to(data.dtype)
             return
         scales = self.scales[layer].view(2, heads, -1)  # [2, H, S]
         for i, x in enumerate((k, v)):
@@ -110,14 +111,18 @@ class KVPool:
         self, layer: int, head_block_ids: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """head_block_ids (from `head_block_ids`, M blocks) -> keys, values [Hkv, M * block_size, D]."""
+        keys, values = self.gather_pair(layer, head_block_ids, dtype).unbind(0)
+        return keys, values
+
+    def gather_pair(self, layer: int, head_block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As `gather`, keys and values stacked: [2, Hkv, M * block_size, D] (fewest ops: decode)."""
         heads, block, dim = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
         data = self.data[layer].view(-1, block, dim)  # [2*H*NB, bs, D]
         both = data.index_select(0, head_block_ids).view(2, heads, -1, dim)  # [2, H, M*bs, D]
-        keys, values = both[0], both[1]
         if self.scales is None:
-            return keys.to(dtype), values.to(dtype)
+            return both if both.dtype == dtype else both.to(dtype)
         scales = self.scales[layer].view(-1, block).index_select(0, head_block_ids).view(2, heads, -1)
-        return self._dequantize(keys, scales[0], dtype), self._dequantize(values, scales[1], dtype)
+        return self._dequantize(both, scales, dtype)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [H, T, D] -> codes [H, T, D] in storage dtype, scales [H, T]

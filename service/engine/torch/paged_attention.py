@@ -45,7 +45,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
     num_decodes: int  # rows [0, num_decodes) are decode tokens
     decode_block_ids: torch.Tensor | None  # pool rows of each decode's first N blocks (padded with 0)
-    decode_mask: torch.Tensor | None  # [B, N * block_size] additive (q's dtype): 0 where visible, else -inf
+    # [B, 1, 1, N * block_size] additive (q's dtype): 0 where visible, else -inf
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunk, ...]
     # Set instead of the two above where decodes attend through the Triton kernel (CUDA).
     decode_tables: torch.Tensor | None = None  # [B, N] block ids (padded with the scratch block)
@@ -82,16 +83,15 @@ class PagedAttention:
                 q, self.pool.data[layer], scales, self.pool.spec.cache_dtype, meta.decode_tables,
                 meta.decode_lens, self.scale,
             )  # fmt: skip
-        assert meta.decode_block_ids is not None and meta.decode_mask is not None
-        batch, length = meta.decode_mask.shape
-        keys, values = self.pool.gather(layer, meta.decode_block_ids, q.dtype)  # [Hkv, B*L, D]
-        num_kv_heads, _, head_dim = keys.shape
-        group = self.num_heads // num_kv_heads
+        mask = meta.decode_mask
+        assert meta.decode_block_ids is not None and mask is not None
+        batch, length = mask.shape[0], mask.shape[-1]
+        both = self.pool.gather_pair(layer, meta.decode_block_ids, q.dtype)  # [2, Hkv, B*L, D]
+        _, num_kv_heads, _, head_dim = both.shape
+        # Each request's keys (values) as one [L, D] matrix per kv head: [B, Hkv, L, D] views.
+        keys, values = both.view(2, num_kv_heads, batch, length, head_dim).transpose(1, 2).unbind(0)
         # Query head h attends with kv head h // group: [B, Hq, D] is [B, Hkv, G, D] as it lies.
-        queries = q.view(batch, num_kv_heads, group, head_dim)
-        keys = keys.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)  # [B, Hkv, L, D]
-        values = values.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)
-        mask = meta.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        queries = q.view(batch, num_kv_heads, self.num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, head_dim)
 
@@ -124,9 +124,10 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_mask(context_lens: torch.Tensor, padded_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B] -> [B, padded_len]: keys before each request's context length are visible."""
+    """[B] -> [B, 1, 1, padded_len] (broadcast over kv heads and query groups): keys before each
+    request's context length are visible."""
     positions = torch.arange(padded_len, device=context_lens.device)
-    return additive_mask(positions[None, :] < context_lens[:, None], dtype)
+    return additive_mask(positions[None, None, None, :] < context_lens[:, None, None, None], dtype)
 
 
 def prefill_mask(
