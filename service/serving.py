@@ -74,6 +74,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         ),
         lora=lora,
         enforce_eager=settings.enforce_eager,
+        collective_timeout_s=settings.collective_timeout_seconds,
         fused_kernels=settings.fused_kernels,
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",

@@ -2,9 +2,10 @@
 
 A tiny checkpoint (4 heads, 2 kv heads, a byte-level tokenizer) is served with
 NIM_TENSOR_PARALLEL_SIZE=2 and without it; greedy completions of a fixed prompt set, fetched with
-the official client, must be the same tokens, in bf16 and in int8 weights. Then a rank killed
-mid-stream must bring the server down cleanly: the stream ends with an error naming the rank,
-the process exits non-zero and no other rank is left running.
+the official client, must be the same tokens, in bf16 and in int8 weights over an int8 KV cache.
+Then a rank killed mid-stream must bring the server down cleanly: the stream ends with an error
+naming the rank, the process exits non-zero and no other rank is left running; so must a rank that
+hangs (stopped with SIGSTOP), once a collective waits past NIM_COLLECTIVE_TIMEOUT_SECONDS.
 
 Where greedy is decided by rounding: two bf16 ranks round their partial sums before adding them,
 so their logprobs differ from one rank's by up to ~0.1 nats on this random model (measured: 0.03
@@ -109,9 +110,9 @@ def _clear_prefixes(reference: list[list[tuple[str, float]]]) -> list[list[str]]
     return prefixes
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8_wo"])
-def test_two_ranks_answer_as_one(checkpoint: Path, tmp_path: Path, precision: str) -> None:
-    base = {"NIM_MODEL_NAME": str(checkpoint), "NIM_NUM_THREADS": "2"}
+@pytest.mark.parametrize(("precision", "kv_cache"), [("bf16", "auto"), ("int8_wo", "int8")])
+def test_two_ranks_answer_as_one(checkpoint: Path, tmp_path: Path, precision: str, kv_cache: str) -> None:
+    base = {"NIM_MODEL_NAME": str(checkpoint), "NIM_NUM_THREADS": "2", "NIM_KV_CACHE_DTYPE": kv_cache}
     with serving(tmp_path / "tp1.log", {**base, **_profile(precision, 1)}) as server:
         alone = _greedy(server)
     with serving(tmp_path / "tp2.log", {**base, **_profile(precision, 2)}) as server:
@@ -167,22 +168,7 @@ def test_a_killed_rank_ends_streams_with_an_error_and_the_process(four_ranks: Se
     server = four_ranks
     ranks = _ranks(server.log())
     assert len(ranks) == 3 and all(_alive(pid) for pid in ranks)
-    frames: list[str] = []
-    streaming = threading.Event()
-
-    def stream() -> None:
-        body = {"model": NAME, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line:
-                        frames.append(line)
-                        streaming.set()
-        except httpx.HTTPError as exc:  # recorded: the test requires a clean error frame instead
-            frames.append(f"transport error: {exc}")
-
-    reader = threading.Thread(target=stream)
-    reader.start()
+    reader, frames, streaming = _stream_in_background(server)
     assert streaming.wait(60), server.log()
     victim = ranks[1]  # rank 2
     os.kill(victim, signal.SIGKILL)
@@ -199,6 +185,53 @@ def test_a_killed_rank_ends_streams_with_an_error_and_the_process(four_ranks: Se
     assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the engine"
     log = server.log()
     assert f"tensor-parallel rank 2 (pid {victim}) exited with code -9" in log
+
+
+def _stream_in_background(server: ServerProcess) -> tuple[threading.Thread, list[str], threading.Event]:
+    frames: list[str] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        body = {"model": NAME, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=90) as response:
+                for line in response.iter_lines():
+                    if line:
+                        frames.append(line)
+                        streaming.set()
+        except httpx.HTTPError as exc:  # recorded: the test requires a clean error frame instead
+            frames.append(f"transport error: {exc}")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    return reader, frames, streaming
+
+
+def test_a_hung_rank_times_out_and_ends_the_process(checkpoint: Path, tmp_path: Path) -> None:
+    env = {"NIM_MODEL_NAME": str(checkpoint), **_profile("bf16", 2), "NIM_COLLECTIVE_TIMEOUT_SECONDS": "3"}
+    server = start_server(tmp_path / "hang.log", env=env)
+    ranks: list[int] = []
+    try:
+        wait_ready(server)
+        ranks = _ranks(server.log())
+        reader, frames, streaming = _stream_in_background(server)
+        assert streaming.wait(60), server.log()
+        os.kill(ranks[0], signal.SIGSTOP)  # alive, but never reaches its next collective
+        reader.join(90)
+        assert not reader.is_alive()
+        assert frames[-1] == "data: [DONE]", frames[-3:]
+        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+        assert "engine failure" in error["message"], error
+        assert server.process.wait(60) == 1, server.log()
+        deadline = time.monotonic() + 15
+        while _alive(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(ranks[0]), "the hung rank outlived the engine"
+    finally:
+        server.stop()
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_size_the_model_does_not_divide_is_one_line_at_start(checkpoint: Path, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ fails, the process exits non-zero):
 - a worker that exits is seen at once by a watchdog thread on its process sentinel, which fails
   the engine (`on_death`); a step already inside a collective with it fails too (gloo sees the
   closed connection);
-- a collective that does not complete within COLLECTIVE_TIMEOUT_S (a hung rank) raises;
+- a collective that does not complete within NIM_COLLECTIVE_TIMEOUT_SECONDS (a hung rank) raises;
 - shutdown (normal or after a failure) asks every worker to stop, then terminates and finally
   kills what is left, so no rank outlives the engine; a worker whose rank 0 vanishes sees its
   pipe close (or its collective fail) and exits.
@@ -52,8 +52,6 @@ from service.util import one_line
 
 log = logging.getLogger(__name__)
 
-# A collective waits at most this long for the other ranks (also the start-up rendezvous).
-COLLECTIVE_TIMEOUT_S = 60.0
 # How long a stopping worker gets to leave on its own, then after terminate, before it is killed.
 STOP_GRACE_S = 5.0
 
@@ -83,13 +81,15 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def join_group(device: torch.device, init_method: str, rank: int, size: int) -> None:
+def join_group(device: torch.device, setup: RankSetup, rank: int) -> None:
+    """Join the process group; its collectives (and this rendezvous) wait at most the config's
+    collective timeout for the other ranks."""
     dist.init_process_group(
         backend_for(device),
-        init_method=init_method,
+        init_method=setup.init_method,
         rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        world_size=setup.size,
+        timeout=datetime.timedelta(seconds=setup.config.collective_timeout_s),
     )
 
 
@@ -132,7 +132,7 @@ class TPGroup:
     def join(self) -> None:
         """Join the process group as rank 0 (blocks until every rank has joined, or times out)."""
         try:
-            join_group(self.device, self.setup.init_method, 0, self.size)
+            join_group(self.device, self.setup, 0)
         except Exception as exc:
             raise TensorParallelError(self._explain(f"the ranks did not meet: {one_line(exc)}")) from exc
 
@@ -260,7 +260,7 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(setup.threads)
-    join_group(device, setup.init_method, rank, setup.size)
+    join_group(device, setup, rank)
     loaded = load_rank(config, device, dtype, rank, setup.size)
     pipe.send(("loaded", loaded.propose_blocks(config, setup.size)))
     blocks = pipe.recv()
