@@ -1,0 +1,210 @@
+"""LoRA groundwork: PEFT adapters read and checked (service.engine.lora), and the batched LoRA term
+of a mixed batch (service.engine.models.lora_ops) against merged weights W + scale * B @ A.
+
+Adapters are written here in PEFT's saved layout (adapter_config.json, adapter_model.safetensors with
+`base_model.model.model.layers.N.<block>.<proj>.lora_A/B.weight` keys) for a tiny Llama config.
+Tolerance: float32 throughout; the batched path and the merged weight differ only in summation
+order (1e-5 relative to the output's scale).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from service.engine.lora import AdapterError, LoraAdapter, projection_shape, read_adapter, scan_source
+from service.engine.models.config import ModelConfig
+from service.engine.models.lora_ops import NO_ADAPTER, LoraBatch, StackedLora, add_lora
+
+CONFIG = ModelConfig.from_hf_config(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+)
+BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+
+
+def write_adapter(
+    directory: Path,
+    seed: int,
+    rank: int = 4,
+    alpha: float = 8.0,
+    modules: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+    **settings: object,
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(CONFIG.num_layers):
+        for module in modules:
+            out_features, in_features = projection_shape(CONFIG, module)
+            block = BLOCKS.get(module, "mlp")
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.1
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
+    config.update(settings)
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_an_adapter_is_read_with_its_scales(tmp_path: Path) -> None:
+    adapter = read_adapter(write_adapter(tmp_path / "a", seed=1), "a", CONFIG, max_rank=16)
+    assert adapter.rank == 4 and len(adapter.modules) == 2 * 4
+    weights = adapter.modules[(1, "down_proj")]
+    assert weights.a.shape == (4, 128) and weights.b.shape == (64, 4) and weights.scale == 8.0 / 4
+    rslora = read_adapter(write_adapter(tmp_path / "r", seed=1, use_rslora=True), "r", CONFIG, 16)
+    assert rslora.modules[(0, "q_proj")].scale == pytest.approx(8.0 / math.sqrt(4))
+
+
+def test_rank_and_alpha_patterns_apply_per_module(tmp_path: Path) -> None:
+    directory = write_adapter(tmp_path / "p", seed=2, modules=("q_proj",), alpha_pattern={"q_proj": 2.0})
+    adapter = read_adapter(directory, "p", CONFIG, 16)
+    assert adapter.modules[(0, "q_proj")].scale == 2.0 / 4
+    # A rank_pattern the stored shapes contradict is refused rather than scaled wrongly.
+    bad = write_adapter(
+        tmp_path / "q", seed=2, modules=("q_proj",), rank_pattern={"layers.1.self_attn.q_proj": 8}
+    )
+    with pytest.raises(AdapterError, match=r"layer 1 q_proj: lora_A \(4, 64\).*rank-8"):
+        read_adapter(bad, "q", CONFIG, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "trained biases"),
+        ({"modules_to_save": ["lm_head"]}, "fully trained modules"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"peft_type": "IA3"}, "only LORA adapters"),
+        ({"r": 0}, "positive r"),
+    ],
+)
+def test_what_the_engine_does_not_compute_is_refused(tmp_path: Path, change: dict, message: str) -> None:
+    directory = write_adapter(tmp_path / "x", seed=3, **change)
+    with pytest.raises(AdapterError, match=message):
+        read_adapter(directory, "x", CONFIG, 16)
+
+
+def test_bad_weights_are_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="rank 4 is above NIM_MAX_LORA_RANK=2"):
+        read_adapter(write_adapter(tmp_path / "big", seed=4), "big", CONFIG, max_rank=2)
+    pickled = tmp_path / "pickled"
+    write_adapter(pickled, seed=4)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=r"only pickled weights \(adapter_model.bin\).*never opened"):
+        read_adapter(pickled, "pickled", CONFIG, 16)
+    wrong = write_adapter(tmp_path / "wrong", seed=4, modules=("q_proj",))
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+    }
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"do not fit a rank-4 adapter of a \[64, 64\] projection"):
+        read_adapter(wrong, "wrong", CONFIG, 16)
+    lm_head = write_adapter(tmp_path / "head", seed=4, modules=("q_proj",))
+    save_file(
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+        str(lm_head / "adapter_model.safetensors"),
+    )
+    with pytest.raises(AdapterError, match="not a LoRA weight of a decoder projection"):
+        read_adapter(lm_head, "head", CONFIG, 16)
+    deep = write_adapter(tmp_path / "deep", seed=4, modules=("q_proj",))
+    save_file(
+        {
+            "base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.model.layers.5.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+        },
+        str(deep / "adapter_model.safetensors"),
+    )
+    with pytest.raises(AdapterError, match="targets layer 5; the model has 2"):
+        read_adapter(deep, "deep", CONFIG, 16)
+    misplaced = write_adapter(tmp_path / "misplaced", seed=4, modules=("q_proj",))
+    save_file(
+        {"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 64)},
+        str(misplaced / "adapter_model.safetensors"),
+    )
+    with pytest.raises(AdapterError, match="puts q_proj under mlp"):
+        read_adapter(misplaced, "misplaced", CONFIG, 16)
+
+
+def test_the_source_lists_adapters_by_name_and_refuses_escapes(tmp_path: Path) -> None:
+    source = tmp_path / "loras"
+    write_adapter(source / "sql-expert", seed=5)
+    write_adapter(source / "support.v2", seed=6)
+    (source / "notes").mkdir()  # no adapter_config.json: not an adapter, not reported
+    outside = write_adapter(tmp_path / "elsewhere", seed=7)
+    os.symlink(outside, source / "escape")
+    write_adapter(source / "-bad name", seed=8)
+    found, skipped = scan_source(source)
+    assert sorted(found) == ["sql-expert", "support.v2"]
+    assert any(line.startswith("escape: resolves to") and "outside" in line for line in skipped)
+    assert any("not a valid adapter name" in line for line in skipped)
+
+
+def _adapters(tmp_path: Path, count: int) -> list[LoraAdapter]:
+    return [
+        read_adapter(write_adapter(tmp_path / f"a{i}", seed=10 + i, rank=2 + 2 * i), f"a{i}", CONFIG, 16)
+        for i in range(count)
+    ]
+
+
+def test_a_mixed_batch_equals_each_rows_merged_weight(tmp_path: Path) -> None:
+    """Four adapters of ranks 2-8 and rows without one, shuffled in one batch: every row's output
+    equals x @ (W + scale * B @ A).T with its own adapter's merged weight (W alone for none)."""
+    adapters = _adapters(tmp_path, 4)
+    key = (1, "o_proj")
+    out_features, in_features = projection_shape(CONFIG, "o_proj")
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(out_features, in_features, generator=generator) * 0.2
+    stacked = StackedLora.stack(
+        [(a.modules[key].a, a.modules[key].b, a.modules[key].scale) for a in adapters],
+        in_features,
+        out_features,
+    )
+    slots = [2, NO_ADAPTER, 0, 3, 3, 1, NO_ADAPTER, 0, 2, 1, 3]
+    x = torch.randn(len(slots), in_features, generator=generator)
+    out = add_lora(x @ base.T, x, LoraBatch.from_slots(slots), stacked)
+    for row, slot in enumerate(slots):
+        merged = base if slot == NO_ADAPTER else base + adapters[slot].modules[key].delta()
+        want = x[row] @ merged.T
+        assert torch.allclose(out[row], want, rtol=0, atol=1e-5 * float(want.abs().max())), (row, slot)
+
+
+def test_rows_without_adapters_are_untouched_and_empty_slots_add_nothing(tmp_path: Path) -> None:
+    [adapter] = _adapters(tmp_path, 1)
+    weights = adapter.modules[(0, "q_proj")]
+    out_features, in_features = projection_shape(CONFIG, "q_proj")
+    stacked = StackedLora.stack(
+        [None, (weights.a, weights.b, weights.scale), None], in_features, out_features
+    )
+    x = torch.randn(5, in_features).to(torch.bfloat16)
+    base_out = torch.randn(5, out_features).to(torch.bfloat16)
+    out = add_lora(base_out.clone(), x, LoraBatch.from_slots([NO_ADAPTER] * 5), stacked)
+    assert torch.equal(out, base_out)
+    empty = add_lora(base_out.clone(), x, LoraBatch.from_slots([0, 2, NO_ADAPTER, 0, 2]), stacked)
+    assert torch.equal(empty, base_out)  # slots 0 and 2 hold nothing: zero weights, zero scale
+    one = add_lora(
+        base_out.clone(), x, LoraBatch.from_slots([1, NO_ADAPTER, 1, NO_ADAPTER, NO_ADAPTER]), stacked
+    )
+    assert torch.equal(one[1], base_out[1]) and not torch.equal(one[0], base_out[0])
+    # bfloat16 outputs: the LoRA term is added in float32 and rounded once.
+    want = (base_out[0].float() + weights.scale * (x[0].float() @ weights.a.T) @ weights.b.T).to(
+        torch.bfloat16
+    )
+    assert torch.allclose(one[0].float(), want.float(), atol=2e-2)
