@@ -32,8 +32,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import ServerProcess, start_server, wait_ready
-from tests.test_quantization import serving
+from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.test_quantization import CAPITAL, serving
 from tests.test_tensor_parallel import _checkpoint
 
 PROMPTS = ["Once upon a time", "The capital of France is", "0123456789", "tensor parallel ranks"]
@@ -131,6 +131,27 @@ def test_two_ranks_answer_as_one(checkpoint: Path, tmp_path: Path, precision: st
     pairs = zip(sharded, expected, strict=True)
     got = [[token for token, _ in steps[: len(prefix)]] for steps, prefix in pairs]
     assert got == expected
+
+
+def test_the_embedded_int4_model_answers_alike_over_three_ranks(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """The default profile (the GGUF's Q4_1 blocks as int4, groups of 32) sharded over 3 ranks (its
+    9 heads and 3 kv heads, int4 columns split at whole groups): one rank's greedy answer."""
+
+    def answer(url: str) -> str:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.chat.completions.create(
+            model=EMBEDDED_NAME, messages=CAPITAL, temperature=0, max_tokens=12
+        )
+        return str(out.choices[0].message.content)
+
+    alone = answer(server.base_url)
+    with serving(tmp_path / "tp3.log", {"NIM_TENSOR_PARALLEL_SIZE": "3"}) as sharded:
+        meta = httpx.get(f"{sharded.base_url}/v1/metadata", timeout=10).json()
+        assert meta["selectedProfile"]["name"] == "torch-generic-int4_wo-tp3-pp1-throughput"
+        assert answer(sharded.base_url) == alone
+    assert "Paris" in alone
 
 
 def _ranks(log: str) -> list[int]:
