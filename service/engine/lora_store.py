@@ -1,0 +1,212 @@
+"""Which LoRA adapters exist, which are read into host memory, and which occupy device slots.
+
+Three tiers, each bounded:
+- known: every valid adapter under NIM_PEFT_SOURCE at the last scan (`refresh`); the names
+  /v1/models lists and requests may name;
+- host: adapters read from disk (`prepare`, a blocking read meant for a worker thread, never the
+  step thread), at most NIM_MAX_CPU_LORAS, least recently used first out;
+- device: NIM_MAX_GPU_LORAS slots the batched LoRA term reads (service.engine.models.lora_ops);
+  `acquire` places a prepared adapter in a slot for a request (evicting the least recently used
+  adapter no request holds) and `release` returns it when the request ends.
+
+Invariants: an adapter held by a request keeps its slot and its host copy until released; a slot
+holds at most one adapter; an adapter removed from the source at a refresh disappears from `known`
+at once (new requests are refused) but the requests already holding it finish with it. An adapter
+whose files changed (another path, or newer files) is re-read at the refresh; slots holding the
+old version serve their requests to the end and are never handed out again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.engine.lora import AdapterError, LoraAdapter, scan_source
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[Path, str], LoraAdapter]  # read_adapter with the model's config and rank limit
+
+
+class UnknownAdapterError(KeyError):
+    """No adapter of that name is served (never was, or removed from the source)."""
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every device slot is held by a running request; the request waits for one."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    slot: int
+    fill: LoraAdapter | None  # the weights to copy into the slot; None: already there
+
+
+@dataclass(frozen=True)
+class RefreshResult:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    refused: tuple[str, ...]  # one line each: adapters found but not servable, and why
+
+
+@dataclass
+class _Slot:
+    name: str | None = None
+    holders: int = 0
+    stale: bool = False  # holds a version the source has replaced: drained, never handed out
+
+
+def _version(path: Path) -> tuple[str, float]:
+    """What identifies an adapter's files: where they are and when they last changed."""
+    stamps = [f.stat().st_mtime for f in sorted(path.iterdir()) if f.is_file()]
+    return str(path), max(stamps, default=0.0)
+
+
+@dataclass
+class LoraStore:
+    source: Path
+    reader: Reader
+    device_slots: int
+    host_capacity: int
+    _known: dict[str, tuple[str, float]] = field(default_factory=dict, init=False)  # name -> _version
+    # Host copies in least-recently-used order (oldest first).
+    _host: OrderedDict[str, LoraAdapter] = field(default_factory=OrderedDict, init=False)
+    _slots: list[_Slot] = field(default_factory=list, init=False)
+    _use_order: list[int] = field(default_factory=list, init=False)  # slot indices, least recent first
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        if self.device_slots < 1 or self.host_capacity < self.device_slots:
+            raise ValueError(
+                f"LoRA capacity: {self.device_slots} device slots need at least 1 and at most the "
+                f"{self.host_capacity} adapters host memory keeps (NIM_MAX_GPU_LORAS <= NIM_MAX_CPU_LORAS)"
+            )
+        self._slots = [_Slot() for _ in range(self.device_slots)]
+
+    # --- what exists ----------------------------------------------------------------------------
+
+    def refresh(self) -> RefreshResult:
+        """Rescan the source: new adapters are read and checked now (a malformed one is refused
+        with its reason and never listed), removed ones stop being known."""
+        found, skipped = scan_source(self.source)
+        refused = list(skipped)
+        with self._lock:
+            known = dict(self._known)
+        added = []
+        for name, path in found.items():
+            version = _version(path)
+            if known.get(name) == version:
+                continue
+            try:
+                adapter = self.reader(path, name)
+            except AdapterError as exc:
+                refused.append(str(exc))
+                continue
+            with self._lock:
+                if name in self._known:
+                    self._retire(name)  # a new version: slots with the old one drain
+                self._known[name] = version
+                self._keep(adapter)
+            added.append(name)
+        with self._lock:
+            removed = sorted(set(self._known) - set(found))
+            for name in removed:
+                del self._known[name]
+                self._retire(name)
+                self._host.pop(name, None)
+        for line in refused:
+            log.warning("LoRA adapter not served: %s", line)
+        return RefreshResult(tuple(sorted(added)), tuple(removed), tuple(refused))
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._known)
+
+    # --- host memory (off the step thread) -------------------------------------------------------
+
+    def prepare(self, name: str) -> None:
+        """Make sure `name` is in host memory (reads it from disk if it is not); blocking."""
+        with self._lock:
+            version = self._known.get(name)
+            if version is None:
+                raise UnknownAdapterError(name)
+            if name in self._host:
+                self._host.move_to_end(name)
+                return
+        adapter = self.reader(Path(version[0]), name)
+        with self._lock:
+            if self._known.get(name) == version:  # not replaced or removed meanwhile
+                self._keep(adapter)
+
+    # --- device slots (the step thread) -----------------------------------------------------------
+
+    def acquire(self, name: str) -> Placement:
+        """A slot holding `name` for one more request. The adapter must be known and prepared."""
+        with self._lock:
+            if name not in self._known:
+                raise UnknownAdapterError(name)
+            adapter = self._host.get(name)
+            if adapter is None:
+                raise UnknownAdapterError(f"{name} is not prepared in host memory")
+            self._host.move_to_end(name)
+            for index, slot in enumerate(self._slots):
+                if slot.name == name and not slot.stale:
+                    slot.holders += 1
+                    self._touch(index)
+                    return Placement(index, None)
+            index = self._free_slot()
+            self._slots[index] = _Slot(name, 1)
+            self._touch(index)
+            return Placement(index, adapter)
+
+    def release(self, slot_index: int) -> None:
+        """A request that acquired `slot_index` ended."""
+        with self._lock:
+            slot = self._slots[slot_index]
+            if slot.holders < 1:
+                raise ValueError(f"release of LoRA slot {slot_index}, which no request holds")
+            slot.holders -= 1
+            if slot.holders == 0 and slot.stale:
+                self._slots[slot_index] = _Slot()  # a removed or replaced version: gone now
+
+    def running(self) -> dict[str, int]:
+        """Adapters held by requests, with how many hold each (for metrics)."""
+        with self._lock:
+            return {s.name: s.holders for s in self._slots if s.name is not None and s.holders}
+
+    # --- internals (under the lock) ---------------------------------------------------------------
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        self._host[adapter.name] = adapter
+        self._host.move_to_end(adapter.name)
+        held = {s.name for s in self._slots if s.holders}
+        while len(self._host) > self.host_capacity:
+            victim = next((n for n in self._host if n not in held and n != adapter.name), None)
+            if victim is None:
+                break  # everything else is in use: exceed the bound until requests end
+            del self._host[victim]
+
+    def _retire(self, name: str) -> None:
+        """Slots holding `name` as it was: emptied now if idle, else drained by their requests."""
+        for index, slot in enumerate(self._slots):
+            if slot.name == name:
+                if slot.holders:
+                    slot.stale = True
+                else:
+                    self._slots[index] = _Slot()
+
+    def _touch(self, index: int) -> None:
+        self._use_order = [i for i in self._use_order if i != index] + [index]
+
+    def _free_slot(self) -> int:
+        for index, slot in enumerate(self._slots):
+            if slot.name is None:
+                return index
+        for index in self._use_order:  # least recently used first
+            if self._slots[index].holders == 0:
+                return index
+        raise NoFreeSlotError(f"all {len(self._slots)} LoRA slots are held by running requests")
