@@ -232,11 +232,12 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_FUSED_KERNELS"),
         description="1: on CUDA, run norms, SiLU-mul and RoPE as fused Triton kernels (experimental).",
     )
-    collective_timeout_seconds: float = Field(
-        60.0,
+    collective_timeout_seconds: float | None = Field(
+        None,
         gt=0,
         validation_alias=_env("NIM_COLLECTIVE_TIMEOUT_SECONDS"),
-        description="Tensor parallelism: a collective not complete by then (a hung rank) fails the engine.",
+        description="Tensor parallelism: a collective not complete by then (a hung rank) fails the engine; "
+        "default 60. Refused when the profile runs one rank.",
     )
     num_threads: int | None = Field(
         None,

@@ -122,6 +122,13 @@ def test_lora_is_refused_not_ignored(tmp_path: Path) -> None:
         load_engine(config)
 
 
+def test_a_collective_timeout_without_tensor_parallelism_is_refused_not_ignored() -> None:
+    config = replace(config_for(load_settings()), collective_timeout_s=5.0)
+    assert config.tensor_parallel_size == 1
+    with pytest.raises(UnsupportedConfigError, match="NIM_COLLECTIVE_TIMEOUT_SECONDS applies to tensor"):
+        load_engine(config)
+
+
 def test_selection_skips_profiles_the_engine_would_refuse() -> None:
     from service.hardware import load_system
     from service.planning import manifest_for, policy_for

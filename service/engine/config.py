@@ -70,5 +70,5 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs or compiled steps (debugging)
     fused_kernels: bool = False  # CUDA: Triton kernels for norms, SiLU-mul and RoPE
     num_threads: int | None = None  # CPU threads; None: every core the container may use
-    collective_timeout_s: float = 60.0  # tensor parallelism: the longest a collective may wait
+    collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

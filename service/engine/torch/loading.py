@@ -64,6 +64,11 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     if config.precision == "fp8" and device.type == "cuda" and dtype == torch.float32:
         raise UnsupportedConfigError("fp8 profiles compute in bf16 or fp16 on CUDA; unset NIM_DTYPE=float32")
     size = config.tensor_parallel_size
+    if size == 1 and config.collective_timeout_s is not None:
+        raise UnsupportedConfigError(
+            f"NIM_COLLECTIVE_TIMEOUT_SECONDS applies to tensor parallelism; profile {config.profile_name} "
+            "runs one rank: unset it"
+        )
     if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
         raise UnsupportedConfigError(
             f"tensor parallelism {size} needs {size} GPUs; {torch.cuda.device_count()} are visible"

@@ -52,6 +52,8 @@ from service.util import one_line
 
 log = logging.getLogger(__name__)
 
+# How long a collective waits for the other ranks where NIM_COLLECTIVE_TIMEOUT_SECONDS is unset.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 # How long a stopping worker gets to leave on its own, then after terminate, before it is killed.
 STOP_GRACE_S = 5.0
 
@@ -89,7 +91,7 @@ def join_group(device: torch.device, setup: RankSetup, rank: int) -> None:
         init_method=setup.init_method,
         rank=rank,
         world_size=setup.size,
-        timeout=datetime.timedelta(seconds=setup.config.collective_timeout_s),
+        timeout=datetime.timedelta(seconds=setup.config.collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S),
     )
 
 
