@@ -109,38 +109,23 @@ def test_bad_weights_are_refused_with_the_reason(tmp_path: Path) -> None:
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
     with pytest.raises(AdapterError, match=r"only pickled weights \(adapter_model.bin\).*never opened"):
         read_adapter(pickled, "pickled", CONFIG, 16)
-    wrong = write_adapter(tmp_path / "wrong", seed=4, modules=("q_proj",))
-    tensors = {
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
-    }
-    save_file(tensors, str(wrong / "adapter_model.safetensors"))
-    with pytest.raises(AdapterError, match=r"do not fit a rank-4 adapter of a \[64, 64\] projection"):
-        read_adapter(wrong, "wrong", CONFIG, 16)
-    lm_head = write_adapter(tmp_path / "head", seed=4, modules=("q_proj",))
-    save_file(
-        {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
-        str(lm_head / "adapter_model.safetensors"),
-    )
-    with pytest.raises(AdapterError, match="not a LoRA weight of a decoder projection"):
-        read_adapter(lm_head, "head", CONFIG, 16)
-    deep = write_adapter(tmp_path / "deep", seed=4, modules=("q_proj",))
-    save_file(
-        {
-            "base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
-            "base_model.model.model.layers.5.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
-        },
-        str(deep / "adapter_model.safetensors"),
-    )
-    with pytest.raises(AdapterError, match="targets layer 5; the model has 2"):
-        read_adapter(deep, "deep", CONFIG, 16)
-    misplaced = write_adapter(tmp_path / "misplaced", seed=4, modules=("q_proj",))
-    save_file(
-        {"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 64)},
-        str(misplaced / "adapter_model.safetensors"),
-    )
-    with pytest.raises(AdapterError, match="puts q_proj under mlp"):
-        read_adapter(misplaced, "misplaced", CONFIG, 16)
+    q_proj = [f"base_model.model.model.layers.{{}}.self_attn.q_proj.lora_{p}.weight" for p in "AB"]
+    wrong = {q_proj[0].format(0): torch.zeros(4, 32), q_proj[1].format(0): torch.zeros(64, 4)}
+    _refused_with(tmp_path / "wrong", wrong, r"do not fit a rank-4 adapter of a \[64, 64\] projection")
+    lm_head = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}
+    _refused_with(tmp_path / "head", lm_head, "not a LoRA weight of a decoder projection")
+    deep = {q_proj[0].format(5): torch.zeros(4, 64), q_proj[1].format(5): torch.zeros(64, 4)}
+    _refused_with(tmp_path / "deep", deep, "targets layer 5; the model has 2")
+    misplaced = {"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 64)}
+    _refused_with(tmp_path / "misplaced", misplaced, "puts q_proj under mlp")
+
+
+def _refused_with(directory: Path, tensors: dict[str, torch.Tensor], message: str) -> None:
+    """An adapter whose weights file holds `tensors` is refused with `message`."""
+    write_adapter(directory, seed=4, modules=("q_proj",))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=message):
+        read_adapter(directory, directory.name, CONFIG, 16)
 
 
 def test_the_source_lists_adapters_by_name_and_refuses_escapes(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ least half of all tokens must be compared, so the check cannot pass by comparing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -170,42 +171,21 @@ def _alive(pid: int) -> bool:
         return stat.read().split(") ")[-1].split()[0] != "Z"
 
 
-@pytest.fixture
-def four_ranks(checkpoint: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    server = start_server(
-        tmp_path / "tp4.log", env={"NIM_MODEL_NAME": str(checkpoint), **_profile("bf16", 4)}
-    )
+@contextlib.contextmanager
+def _ranked_server(log: Path, env: dict[str, str]) -> Iterator[tuple[ServerProcess, list[int]]]:
+    """A ready tensor-parallel server and its worker ranks' pids; afterwards the server is stopped
+    and any rank a failed test left behind is killed."""
+    server = start_server(log, env=env)
+    ranks: list[int] = []
     try:
         wait_ready(server)
-        yield server
+        ranks = _ranks(server.log())
+        yield server, ranks
     finally:
         server.stop()
-        for pid in _ranks(server.log()):
+        for pid in ranks:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def test_a_killed_rank_ends_streams_with_an_error_and_the_process(four_ranks: ServerProcess) -> None:
-    server = four_ranks
-    ranks = _ranks(server.log())
-    assert len(ranks) == 3 and all(_alive(pid) for pid in ranks)
-    reader, frames, streaming = _stream_in_background(server)
-    assert streaming.wait(60), server.log()
-    victim = ranks[1]  # rank 2
-    os.kill(victim, signal.SIGKILL)
-    reader.join(60)
-    assert not reader.is_alive()
-
-    assert frames[-1] == "data: [DONE]", frames[-3:]
-    error = json.loads(frames[-2].removeprefix("data: "))["error"]
-    assert "tensor-parallel rank 2" in error["message"], error
-    assert server.process.wait(60) == 1, server.log()
-    deadline = time.monotonic() + 15
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the engine"
-    log = server.log()
-    assert f"tensor-parallel rank 2 (pid {victim}) exited with code -9" in log
 
 
 def _stream_in_background(server: ServerProcess) -> tuple[threading.Thread, list[str], threading.Event]:
@@ -228,31 +208,45 @@ def _stream_in_background(server: ServerProcess) -> tuple[threading.Thread, list
     return reader, frames, streaming
 
 
+def _fail_mid_stream(server: ServerProcess, pid: int, sig: signal.Signals) -> dict:
+    """Send `sig` to a rank while a completion streams; the stream's closing error object."""
+    reader, frames, streaming = _stream_in_background(server)
+    assert streaming.wait(60), server.log()
+    os.kill(pid, sig)
+    reader.join(90)
+    assert not reader.is_alive()
+    assert frames[-1] == "data: [DONE]", frames[-3:]
+    error: dict = json.loads(frames[-2].removeprefix("data: "))["error"]
+    return error
+
+
+def _all_gone(pids: list[int], within: float = 15) -> bool:
+    deadline = time.monotonic() + within
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
+
+
+def test_a_killed_rank_ends_streams_with_an_error_and_the_process(checkpoint: Path, tmp_path: Path) -> None:
+    env = {"NIM_MODEL_NAME": str(checkpoint), **_profile("bf16", 4)}
+    with _ranked_server(tmp_path / "tp4.log", env) as (server, ranks):
+        assert len(ranks) == 3 and all(_alive(pid) for pid in ranks)
+        victim = ranks[1]  # rank 2
+        error = _fail_mid_stream(server, victim, signal.SIGKILL)
+        assert "tensor-parallel rank 2" in error["message"], error
+        assert server.process.wait(60) == 1, server.log()
+        assert _all_gone(ranks), "a rank outlived the engine"
+        assert f"tensor-parallel rank 2 (pid {victim}) exited with code -9" in server.log()
+
+
 def test_a_hung_rank_times_out_and_ends_the_process(checkpoint: Path, tmp_path: Path) -> None:
     env = {"NIM_MODEL_NAME": str(checkpoint), **_profile("bf16", 2), "NIM_COLLECTIVE_TIMEOUT_SECONDS": "3"}
-    server = start_server(tmp_path / "hang.log", env=env)
-    ranks: list[int] = []
-    try:
-        wait_ready(server)
-        ranks = _ranks(server.log())
-        reader, frames, streaming = _stream_in_background(server)
-        assert streaming.wait(60), server.log()
-        os.kill(ranks[0], signal.SIGSTOP)  # alive, but never reaches its next collective
-        reader.join(90)
-        assert not reader.is_alive()
-        assert frames[-1] == "data: [DONE]", frames[-3:]
-        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    with _ranked_server(tmp_path / "hang.log", env) as (server, ranks):
+        # SIGSTOP: alive, but never reaches its next collective.
+        error = _fail_mid_stream(server, ranks[0], signal.SIGSTOP)
         assert "engine failure" in error["message"], error
         assert server.process.wait(60) == 1, server.log()
-        deadline = time.monotonic() + 15
-        while _alive(ranks[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(ranks[0]), "the hung rank outlived the engine"
-    finally:
-        server.stop()
-        for pid in ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        assert _all_gone(ranks[:1]), "the hung rank outlived the engine"
 
 
 def test_a_size_the_model_does_not_divide_is_one_line_at_start(checkpoint: Path, tmp_path: Path) -> None:
