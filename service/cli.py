@@ -112,11 +112,6 @@ def serve(settings: Settings) -> int:
     from service.server import DrainingServer
     from service.serving import bring_up_model
 
-    if settings.peft_source is not None:
-        log.error(
-            "NIM_PEFT_SOURCE=%s: LoRA adapters are not supported by this version yet", settings.peft_source
-        )
-        return 2
     failure: list[str] = []
     server: DrainingServer | None = None
 

@@ -12,9 +12,16 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.engine.config import DeviceKind, DType, KVCacheDType
+from service.engine.config import DeviceKind, DType, KVCacheDType, LoraConfig
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _env_name(field: str) -> str:
+    """The environment variable of a Settings field."""
+    alias = Settings.model_fields[field].validation_alias
+    assert isinstance(alias, AliasChoices)
+    return str(alias.choices[0])
 
 
 def _env(name: str) -> AliasChoices:
@@ -249,8 +256,36 @@ class Settings(BaseSettings):
     peft_source: Path | None = Field(
         None,
         validation_alias=_env("NIM_PEFT_SOURCE"),
-        description="LoRA adapter directory. Not supported yet: serving refuses to start rather than "
-        "silently serving without the adapters.",
+        description="LoRA adapter directory: one subdirectory per adapter (PEFT format), requested by "
+        "its name as `model`. The NIM_*LORA* settings below are refused without it.",
+    )
+    peft_refresh_interval: float | None = Field(
+        None,
+        gt=0,
+        validation_alias=_env("NIM_PEFT_REFRESH_INTERVAL"),
+        description="Seconds between rescans of NIM_PEFT_SOURCE (new adapters appear, removed ones go "
+        "once their requests end); unset = scanned once at start.",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        validation_alias=_env("NIM_MAX_LORA_RANK"),
+        description="Largest adapter rank served (adapters above it are refused); default 32. Device "
+        "memory for adapters grows with it.",
+    )
+    max_gpu_loras: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_MAX_GPU_LORAS"),
+        description="Adapters resident on the device at once (requests of others wait); default 8.",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=_env("NIM_MAX_CPU_LORAS"),
+        description="Adapters kept read in host memory (least recently used out); default 16, at least "
+        "NIM_MAX_GPU_LORAS.",
     )
     enable_otel: bool | None = Field(
         None,
@@ -291,6 +326,38 @@ class Settings(BaseSettings):
                     f"NIM_SSL_MODE={self.ssl_mode} needs {env} to name a readable file, got {path}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> Settings:
+        limits = ("peft_refresh_interval", "max_lora_rank", "max_gpu_loras", "max_cpu_loras")
+        if self.peft_source is None:
+            stray = [_env_name(name) for name in limits if getattr(self, name) is not None]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} set without NIM_PEFT_SOURCE: no adapters are served")
+            return self
+        if not self.peft_source.is_dir():
+            raise ValueError(f"NIM_PEFT_SOURCE={self.peft_source} is not a directory")
+        lora = self.lora
+        assert lora is not None
+        if lora.max_cpu_loras < lora.max_gpu_loras:
+            raise ValueError(
+                f"NIM_MAX_CPU_LORAS={lora.max_cpu_loras} is below NIM_MAX_GPU_LORAS={lora.max_gpu_loras}: "
+                "every adapter on the device is also kept in host memory"
+            )
+        return self
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The LoRA settings with their defaults filled in; None without NIM_PEFT_SOURCE."""
+        if self.peft_source is None:
+            return None
+        return LoraConfig.with_defaults(
+            self.peft_source,
+            self.max_lora_rank,
+            self.max_gpu_loras,
+            self.max_cpu_loras,
+            self.peft_refresh_interval,
+        )
 
     @field_validator("otel_traces_exporter", mode="before")
     @classmethod

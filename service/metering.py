@@ -88,6 +88,18 @@ class EngineStatsCollector(Collector):
         yield _histogram(
             "nim_engine_step_duration_seconds", "Time of one engine step.", name, stats.step_seconds
         )
+        if self.info is not None and self.info.max_loras:
+            # The Gateway API Inference Extension routes by it: value = when it was last updated.
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "LoRA adapters of running and waiting requests (value: update time, Unix seconds).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(self.info.max_loras), ",".join(stats.lora_running), ",".join(stats.lora_waiting)],
+                time.time(),
+            )
+            yield lora
         if self.info is not None:
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",
@@ -167,6 +179,8 @@ class MeteredEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         progress = _Progress(arrival_time=request.arrival_time or time.monotonic())
+        if request.adapter is not None:
+            self.metrics.observe_adapter_request(request.adapter)
         stream = self.engine.generate(request)
         try:
             async for out in stream:

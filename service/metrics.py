@@ -68,6 +68,9 @@ class Metrics:
         self.request_failure = Counter(
             "request_failure", "Requests the engine failed (an error, not a finish reason).", registry=r
         )
+        self.lora_requests = Counter(
+            "nim_lora_requests", "Generation requests per LoRA adapter.", [*m, "lora_name"], registry=r
+        )
         # Create every model_name-labelled series now, so scrapers see zeros rather than gaps.
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.time_to_first_token, self.inter_token_latency,
@@ -112,6 +115,9 @@ class Metrics:
 
     def observe_failed(self) -> None:
         self.request_failure.inc()
+
+    def observe_adapter_request(self, adapter: str) -> None:
+        self.lora_requests.labels(self.model_name, adapter).inc()
 
     # API-side observations ------------------------------------------------------------------
 

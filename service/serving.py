@@ -49,9 +49,9 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
                 kv_dtype,
             )
         kv_dtype = settings.kv_cache_dtype
-    lora = None
-    if settings.peft_source is not None or profile.feat_lora:
-        lora = LoraConfig(source=settings.peft_source, max_rank=profile.lora_max_rank or 0)
+    lora = settings.lora
+    if lora is None and profile.feat_lora:
+        lora = LoraConfig.with_defaults(None, profile.lora_max_rank)
     return EngineConfig(
         engine=profile.llm_engine,
         model_path=source.path,
@@ -114,6 +114,6 @@ def bring_up_model(settings: Settings) -> BringUp:
             profile_tags=plan.profile.tags(),
             selection=tuple(plan.selection.explanation[:1]),
         )
-        return Ready(engine=engine, tokenizer=loaded.tokenizer, info=info)
+        return Ready(engine=engine, tokenizer=loaded.tokenizer, info=info, adapters=loaded.adapters)
 
     return bring_up

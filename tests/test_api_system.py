@@ -165,10 +165,23 @@ def test_invalid_configuration_names_the_variable(tmp_path: Path) -> None:
     assert "NIM_MAX_NUM_SEQS" in server.log()
 
 
-def test_lora_source_is_refused_rather_than_ignored(tmp_path: Path) -> None:
-    server = start_server(tmp_path / "log", env={"NIM_PEFT_SOURCE": str(tmp_path)})
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NIM_MAX_GPU_LORAS": "4"}, "NIM_MAX_GPU_LORAS set without NIM_PEFT_SOURCE"),
+        ({"NIM_PEFT_SOURCE": "/nonexistent/loras"}, "NIM_PEFT_SOURCE=/nonexistent/loras is not a directory"),
+        (
+            {"NIM_PEFT_SOURCE": ".", "NIM_MAX_GPU_LORAS": "8", "NIM_MAX_CPU_LORAS": "4"},
+            "NIM_MAX_CPU_LORAS=4 is below NIM_MAX_GPU_LORAS=8",
+        ),
+    ],
+)
+def test_lora_settings_that_cannot_be_honoured_stop_the_start(
+    tmp_path: Path, env: dict[str, str], message: str
+) -> None:
+    server = start_server(tmp_path / "log", env=env)
     assert server.process.wait(60) == 2
-    assert "LoRA adapters are not supported" in server.log()
+    assert message in server.log()
 
 
 def test_openapi_documents_the_real_error_shapes(base_url: str) -> None:

@@ -114,12 +114,23 @@ def test_fused_kernels_without_a_gpu_are_refused_not_ignored() -> None:
         load_engine(replace(config, device="cpu"))
 
 
-def test_lora_is_refused_not_ignored(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "serves LoRA adapters on one rank only"),
+        ({"lora_source": None}, "serves LoRA adapters: set NIM_PEFT_SOURCE"),
+    ],
+)
+def test_lora_the_engine_cannot_serve_is_refused_not_ignored(
+    tmp_path: Path, change: dict, message: str
+) -> None:
     from service.engine.config import LoraConfig
 
-    config = replace(config_for(load_settings()), lora=LoraConfig(tmp_path, 16))
-    with pytest.raises(UnsupportedConfigError, match="LoRA"):
+    source = change.pop("lora_source", tmp_path)
+    config = replace(config_for(load_settings()), lora=LoraConfig.with_defaults(source), **change)
+    with pytest.raises(UnsupportedConfigError, match=message) as refused:
         load_engine(config)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_collective_timeout_without_tensor_parallelism_is_refused_not_ignored() -> None:

@@ -122,6 +122,14 @@ SCENARIOS: dict[str, Obj] = {
         "metrics": {"serviceMonitor": {"enabled": True}},
     },
     "mtls": {"tls": {"mode": "MTLS", "secretName": "nim-tls", "clientSecretName": "nim-client"}},
+    "lora": {
+        "model": {
+            "loraSource": "/loras",
+            "lora": {"refreshInterval": 30, "maxRank": 64, "maxGpuLoras": 4, "maxCpuLoras": 12},
+        },
+        "extraVolumes": [{"name": "loras", "persistentVolumeClaim": {"claimName": "loras"}}],
+        "extraVolumeMounts": [{"name": "loras", "mountPath": "/loras", "readOnly": True}],
+    },
     # values written for the nim-llm chart: NGC secret alias, cache at /model-store, TP 2 and no GPU count
     "nim-llm-compat": {
         "model": {"ngcAPISecret": "ngc-api", "nimCache": "/model-store", "tensorParallelSize": 2},
@@ -293,11 +301,18 @@ def walk_env(obj: Obj) -> Iterator[tuple[str, Obj]]:
 # ---------------------------------------------------------------- lint and schemas
 
 
-def test_lora_source_stays_in_the_schema_but_is_refused() -> None:
-    lora = chart().schema["properties"]["model"]["properties"]["loraSource"]
-    assert lora["type"] == "string" and "not supported yet" in lora["description"]
+def test_lora_settings_become_the_service_environment() -> None:
     assert chart().values["model"]["loraSource"] == ""
     assert "NIM_PEFT_SOURCE" not in scenario("everything").text
+    container = scenario("lora").server
+    expected = {
+        "NIM_PEFT_SOURCE": "/loras",
+        "NIM_PEFT_REFRESH_INTERVAL": "30",
+        "NIM_MAX_LORA_RANK": "64",
+        "NIM_MAX_GPU_LORAS": "4",
+        "NIM_MAX_CPU_LORAS": "12",
+    }
+    assert {name: env_value(container, name) for name in expected} == expected
 
 
 def test_readme_documents_the_chart_as_rendered() -> None:
@@ -472,9 +487,19 @@ def test_every_object_is_valid_kubernetes(name: str) -> None:
             id="tp-without-gpus",
         ),
         pytest.param(
-            {"model": {"loraSource": "/loras"}},
-            ["model.loraSource (/loras) is not supported yet", "LoRA adapters are not supported"],
-            id="lora-not-supported-yet",
+            {"model": {"loraSource": "/loras", "tensorParallelSize": 2}, "resources": {"gpu": 2}},
+            ["model.loraSource with model.tensorParallelSize 2", "one rank only"],
+            id="lora-with-tensor-parallelism",
+        ),
+        pytest.param(
+            {"model": {"lora": {"maxGpuLoras": 4}}},
+            ["model.lora settings need model.loraSource"],
+            id="lora-settings-without-source",
+        ),
+        pytest.param(
+            {"model": {"loraSource": "/loras", "lora": {"maxGpuLoras": 8, "maxCpuLoras": 4}}},
+            ["model.lora.maxCpuLoras (4) is below model.lora.maxGpuLoras (8)"],
+            id="lora-host-below-device",
         ),
     ],
 )

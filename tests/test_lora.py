@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from service.engine.lora import AdapterError, LoraAdapter, projection_shape, read_adapter, scan_source
 from service.engine.models.config import ModelConfig
-from service.engine.models.lora_ops import NO_ADAPTER, LoraBatch, StackedLora, add_lora
+from service.engine.models.lora_ops import NO_ADAPTER, LoraBatch, LoraStack
 
 CONFIG = ModelConfig.from_hf_config(
     {
@@ -150,46 +150,69 @@ def _adapters(tmp_path: Path, count: int) -> list[LoraAdapter]:
 
 
 def test_a_mixed_batch_equals_each_rows_merged_weight(tmp_path: Path) -> None:
-    """Four adapters of ranks 2-8 and rows without one, shuffled in one batch: every row's output
-    equals x @ (W + scale * B @ A).T with its own adapter's merged weight (W alone for none)."""
+    """Four adapters of ranks 2-8 and rows without one, shuffled in one batch, through a fused
+    q/k/v projection: every row's output equals x @ (W + scale * B @ A).T with its own adapter's
+    merged weight for each part (W alone for none)."""
     adapters = _adapters(tmp_path, 4)
-    key = (1, "o_proj")
-    out_features, in_features = projection_shape(CONFIG, "o_proj")
+    parts = [(m, projection_shape(CONFIG, m)[0]) for m in ("q_proj", "k_proj", "v_proj")]
+    in_features = CONFIG.hidden_size
+    stack = LoraStack(in_features, parts, num_slots=4, max_rank=8, dtype=torch.float32)
+    for slot, adapter in enumerate(adapters):
+        stack.fill(slot, {m: _piece(adapter, 1, m) for m, _ in parts if (1, m) in adapter.modules})
     generator = torch.Generator().manual_seed(0)
-    base = torch.randn(out_features, in_features, generator=generator) * 0.2
-    stacked = StackedLora.stack(
-        [(a.modules[key].a, a.modules[key].b, a.modules[key].scale) for a in adapters],
-        in_features,
-        out_features,
-    )
+    base = torch.randn(stack.out_features, in_features, generator=generator) * 0.2
     slots = [2, NO_ADAPTER, 0, 3, 3, 1, NO_ADAPTER, 0, 2, 1, 3]
     x = torch.randn(len(slots), in_features, generator=generator)
-    out = add_lora(x @ base.T, x, LoraBatch.from_slots(slots), stacked)
+    out = stack.apply(x @ base.T, x, LoraBatch.from_slots(slots))
     for row, slot in enumerate(slots):
-        merged = base if slot == NO_ADAPTER else base + adapters[slot].modules[key].delta()
+        merged = base.clone()
+        if slot != NO_ADAPTER:
+            first = 0
+            for module, size in parts:  # k_proj is not adapted: its rows stay W
+                weights = adapters[slot].modules.get((1, module))
+                if weights is not None:
+                    merged[first : first + size] += weights.delta()
+                first += size
         want = x[row] @ merged.T
         assert torch.allclose(out[row], want, rtol=0, atol=1e-5 * float(want.abs().max())), (row, slot)
 
 
-def test_rows_without_adapters_are_untouched_and_empty_slots_add_nothing(tmp_path: Path) -> None:
-    [adapter] = _adapters(tmp_path, 1)
-    weights = adapter.modules[(0, "q_proj")]
-    out_features, in_features = projection_shape(CONFIG, "q_proj")
-    stacked = StackedLora.stack(
-        [None, (weights.a, weights.b, weights.scale), None], in_features, out_features
-    )
+def _piece(adapter: LoraAdapter, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    weights = adapter.modules[(layer, module)]
+    return weights.a, weights.b, weights.scale
+
+
+def test_sequences_become_row_segments_grouped_by_slot() -> None:
+    batch = LoraBatch.from_sequences([1, NO_ADAPTER, 0, 1], [1, 3, 2, 2])
+    # rows: seq0 -> 0, seq1 -> 1-3, seq2 -> 4-5, seq3 -> 6-7
+    assert batch.rows.tolist() == [4, 5, 0, 6, 7]
+    assert batch.segments == ((0, 0, 2), (1, 2, 5))
+    assert LoraBatch.from_sequences([NO_ADAPTER], [4]).segments == ()
+
+
+def test_rows_without_adapters_are_untouched_and_refilled_slots_forget(tmp_path: Path) -> None:
+    smaller, larger = _adapters(tmp_path, 2)  # ranks 2 and 4
+    out_features, in_features = projection_shape(CONFIG, "o_proj")
+    stack = LoraStack(in_features, [("o_proj", out_features)], 3, 8, torch.bfloat16)
+    stack.fill(1, {"o_proj": _piece(larger, 0, "o_proj")})
     x = torch.randn(5, in_features).to(torch.bfloat16)
     base_out = torch.randn(5, out_features).to(torch.bfloat16)
-    out = add_lora(base_out.clone(), x, LoraBatch.from_slots([NO_ADAPTER] * 5), stacked)
-    assert torch.equal(out, base_out)
-    empty = add_lora(base_out.clone(), x, LoraBatch.from_slots([0, 2, NO_ADAPTER, 0, 2]), stacked)
-    assert torch.equal(empty, base_out)  # slots 0 and 2 hold nothing: zero weights, zero scale
-    one = add_lora(
-        base_out.clone(), x, LoraBatch.from_slots([1, NO_ADAPTER, 1, NO_ADAPTER, NO_ADAPTER]), stacked
-    )
+    assert torch.equal(stack.apply(base_out.clone(), x, LoraBatch.from_slots([NO_ADAPTER] * 5)), base_out)
+    empty = stack.apply(base_out.clone(), x, LoraBatch.from_slots([0, 2, NO_ADAPTER, 0, 2]))
+    assert torch.equal(empty, base_out)  # slots 0 and 2 hold nothing: zero weights
+    slots = [1, NO_ADAPTER, 1, NO_ADAPTER, NO_ADAPTER]
+    one = stack.apply(base_out.clone(), x, LoraBatch.from_slots(slots))
     assert torch.equal(one[1], base_out[1]) and not torch.equal(one[0], base_out[0])
-    # bfloat16 outputs: the LoRA term is added in float32 and rounded once.
-    want = (base_out[0].float() + weights.scale * (x[0].float() @ weights.a.T) @ weights.b.T).to(
-        torch.bfloat16
-    )
-    assert torch.allclose(one[0].float(), want.float(), atol=2e-2)
+    weights = larger.modules[(0, "o_proj")]
+    want = base_out[0].float() + weights.scale * (x[0].float() @ weights.a.T) @ weights.b.T
+    assert torch.allclose(one[0].float(), want, atol=5e-2)  # bfloat16 weights and activations
+    # Refilled with a smaller rank: what the larger one left in the rank padding is gone.
+    stack.fill(1, {"o_proj": _piece(smaller, 0, "o_proj")})
+    again = stack.apply(base_out.clone(), x, LoraBatch.from_slots(slots))
+    weights = smaller.modules[(0, "o_proj")]
+    want = base_out[0].float() + weights.scale * (x[0].float() @ weights.a.T) @ weights.b.T
+    assert torch.allclose(again[0].float(), want, atol=5e-2)
+    stack.fill(1, {})  # nothing: the base layer alone
+    assert torch.equal(stack.apply(base_out.clone(), x, LoraBatch.from_slots(slots)), base_out)
+    with pytest.raises(ValueError, match="rank 12 is above"):
+        stack.fill(0, {"o_proj": (torch.zeros(12, in_features), torch.zeros(out_features, 12), 1.0)})

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from service.engine.lora import LoraAdapter, read_adapter
-from service.engine.lora_store import LoraStore, NoFreeSlotError, UnknownAdapterError
+from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
 from tests.test_lora import CONFIG, write_adapter
 
 
@@ -62,7 +62,7 @@ def test_host_copies_are_bounded_least_recently_used_first(tmp_path: Path) -> No
     store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=2)
     for name in ("a", "b", "c"):
         store.prepare(name)
-    with pytest.raises(UnknownAdapterError, match="a is not prepared"):
+    with pytest.raises(NotPreparedError, match="a is not in host memory"):
         store.acquire("a")  # evicted from host memory by c
     store.prepare("a")
     assert store.acquire("a").fill is not None
@@ -108,3 +108,22 @@ def test_a_replaced_adapter_is_reread_and_old_slots_drain(tmp_path: Path) -> Non
 def test_capacities_must_nest() -> None:
     with pytest.raises(ValueError, match="NIM_MAX_GPU_LORAS <= NIM_MAX_CPU_LORAS"):
         LoraStore(Path("."), reader, device_slots=4, host_capacity=2)
+
+
+def test_a_refused_adapter_is_reported_once_and_a_broken_replacement_stops_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = store_with(tmp_path, ["good"], slots=1, host=2)
+    (tmp_path / "loras" / "broken").mkdir()
+    (tmp_path / "loras" / "broken" / "adapter_config.json").write_text("{")
+    with caplog.at_level("WARNING"):
+        first, again = store.refresh(), store.refresh()
+    assert any("broken" in line for line in first.refused) and again.refused == ()
+    assert sum("adapter broken" in r.message for r in caplog.records) == 1
+    # "good" replaced by files that fail the checks: it stops being served at the next rescan.
+    time.sleep(0.01)
+    (tmp_path / "loras" / "good" / "adapter_config.json").write_text('{"r": 0, "lora_alpha": 1}')
+    result = store.refresh()
+    assert result.removed == ("good",) and store.names() == []
+    with pytest.raises(UnknownAdapterError):
+        store.prepare("good")

@@ -333,7 +333,15 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- if not (kindIs "invalid" $m.enableKvCacheReuse) }}
 {{- $env = append $env (dict "name" "NIM_ENABLE_KV_CACHE_REUSE" "value" (ternary "1" "0" $m.enableKvCacheReuse)) }}
 {{- end }}
-{{- /* model.loraSource (NIM_PEFT_SOURCE) is refused by nim-torch.validate: LoRA serving is not built yet. */}}
+{{- if $m.loraSource }}
+{{- $env = append $env (dict "name" "NIM_PEFT_SOURCE" "value" $m.loraSource) }}
+{{- range $key, $name := dict "refreshInterval" "NIM_PEFT_REFRESH_INTERVAL" "maxRank" "NIM_MAX_LORA_RANK" "maxGpuLoras" "NIM_MAX_GPU_LORAS" "maxCpuLoras" "NIM_MAX_CPU_LORAS" }}
+{{- $value := index $m.lora $key }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $env = append $env (dict "name" $name "value" (toString $value)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if $m.hfHubOffline }}
 {{- $env = append $env (dict "name" "HF_HUB_OFFLINE" "value" "1") }}
 {{- end }}
@@ -437,8 +445,15 @@ Checks that JSON schema cannot express; rendered from the workload so every inst
 {{- if and (not (kindIs "invalid" $tp)) $explicitGpus (gt (int $tp) (max 1 (int $explicitGpus))) }}
 {{- fail (printf "model.tensorParallelSize (%v) needs one GPU per rank, but the pod gets %v (resources.gpu or resources.limits[%s]): raise the GPU count, or leave resources.gpu null to request %v" $tp $explicitGpus $v.resources.gpuResourceName $tp) }}
 {{- end }}
-{{- if $v.model.loraSource }}
-{{- fail (printf "model.loraSource (%s) is not supported yet: this version of nim-torch does not serve LoRA adapters and exits at start with NIM_PEFT_SOURCE set (\"LoRA adapters are not supported by this version yet\"), which would crash-loop a pod that holds a GPU. Leave model.loraSource empty." $v.model.loraSource) }}
+{{- $lora := $v.model.lora }}
+{{- if and (not $v.model.loraSource) (or (not (kindIs "invalid" $lora.refreshInterval)) (not (kindIs "invalid" $lora.maxRank)) (not (kindIs "invalid" $lora.maxGpuLoras)) (not (kindIs "invalid" $lora.maxCpuLoras))) }}
+{{- fail "model.lora settings need model.loraSource (NIM_PEFT_SOURCE): without adapters they govern nothing, and the service refuses them at start." }}
+{{- end }}
+{{- if and $v.model.loraSource (not (kindIs "invalid" $tp)) (gt (int $tp) 1) }}
+{{- fail (printf "model.loraSource with model.tensorParallelSize %v: this version serves LoRA adapters on one rank only and refuses the combination at start, which would crash-loop a pod that holds GPUs. Use tensorParallelSize 1 (or null) with adapters." $tp) }}
+{{- end }}
+{{- if and $v.model.loraSource (not (kindIs "invalid" $lora.maxGpuLoras)) (not (kindIs "invalid" $lora.maxCpuLoras)) (lt (int $lora.maxCpuLoras) (int $lora.maxGpuLoras)) }}
+{{- fail (printf "model.lora.maxCpuLoras (%v) is below model.lora.maxGpuLoras (%v): every adapter on the device is also kept in host memory, and the service refuses this at start." $lora.maxCpuLoras $lora.maxGpuLoras) }}
 {{- end }}
 {{- if and $v.metrics.serviceMonitor.enabled (eq $v.tls.mode "MTLS") (not $v.metrics.serviceMonitor.tlsConfig) }}
 {{- fail "metrics.serviceMonitor.enabled with tls.mode=MTLS needs metrics.serviceMonitor.tlsConfig with a client certificate config (ca, cert and keySecret, e.g. from the tls.clientSecretName Secret): the server refuses scrapes without a client certificate." }}

@@ -281,8 +281,10 @@ def build_requests(
     max_tokens: Sequence[int],
     vocab_size: int,
     logprobs: LogprobRequest,
+    adapter: str | None = None,
 ) -> list[GenerationRequest]:
-    """One engine request per (prompt, choice); choice index = prompt_index * n + j."""
+    """One engine request per (prompt, choice); choice index = prompt_index * n + j; all run
+    `adapter` (a LoRA adapter's name) or the base model."""
     now = time.monotonic()
     unique = uuid.uuid4().hex[:8]  # callers may reuse an x-request-id; engine ids must not collide
     return [
@@ -291,6 +293,7 @@ def build_requests(
             prompt_token_ids=prompt,
             sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs),
             arrival_time=now,
+            adapter=adapter,
         )
         for p, prompt in enumerate(prompts)
         for j in range(request.n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -70,22 +71,43 @@ def _state(request: Request) -> ServiceState:
 
 
 def _ready_for(state: ServiceState, model: str) -> Ready:
-    if model != state.served_name:
+    """The serving model, for `model` naming it or one of its LoRA adapters (else a 404)."""
+    ready = state.model
+    adapters = ready.adapters if ready is not None else None
+    if model != state.served_name and (adapters is None or model not in adapters.names()):
         raise model_not_found(model)
     return state.require_ready()
+
+
+async def _adapter_for(ready: Ready, model: str) -> str | None:
+    """The LoRA adapter `model` names (prepared: read into memory off the event loop), or None for
+    the base model. An adapter removed since `_ready_for` is a 404."""
+    if model == ready.info.served_name or ready.adapters is None:
+        return None
+    try:
+        await asyncio.to_thread(ready.adapters.prepare, model)
+    except KeyError:
+        raise model_not_found(model) from None
+    return model
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     info = state.model.info if state.model else None
+    created = info.created if info else int(time.time())
     card = ModelCard(
         id=state.served_name,
-        created=info.created if info else int(time.time()),
+        created=created,
         root=info.source if info else None,
         max_model_len=info.max_model_len if info else None,
     )
-    return ModelList(data=[card])
+    adapters = state.model.adapters if state.model else None
+    cards = [
+        ModelCard(id=name, created=created, root=name, parent=card.id, max_model_len=card.max_model_len)
+        for name in (adapters.names() if adapters is not None else ())
+    ]
+    return ModelList(data=[card, *cards])
 
 
 # --- Chat ----------------------------------------------------------------------------------------
@@ -119,8 +141,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _trace_request("chat", body, request_id, budget)
     logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
     logprobs.check(ready.info.engine.features, "logprobs")
+    adapter = await _adapter_for(ready, body.model)
     engine_requests = build_requests(
-        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs
+        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter
     )
     state.admit()
     if body.stream:
@@ -223,7 +246,8 @@ async def completions(body: CompletionRequest, request: Request):
         sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
     )
     logprobs.check(ready.info.engine.features, "logprobs")
-    engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs)
+    adapter = await _adapter_for(ready, body.model)
+    engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter)
     state.admit()
     if body.stream:
         return _sse(

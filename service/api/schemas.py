@@ -232,6 +232,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "system"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

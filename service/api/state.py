@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from service.api.errors import APIError, service_unavailable
 from service.config import Settings
-from service.engine.protocol import Engine, EngineDeadError, EngineInfo
+from service.engine.protocol import AdapterCatalog, Engine, EngineDeadError, EngineInfo
 from service.metering import EngineStatsCollector
 from service.metrics import Metrics
 from service.tokenizer import Tokenizer
@@ -75,6 +75,7 @@ class Ready:
     engine: Engine
     tokenizer: Tokenizer
     info: ModelInfo
+    adapters: AdapterCatalog | None = None  # the LoRA adapters served beside the base model
 
 
 @dataclass

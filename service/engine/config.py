@@ -43,10 +43,37 @@ class KVCacheConfig:
     enable_prefix_caching: bool
 
 
+DEFAULT_MAX_LORA_RANK = 32
+DEFAULT_MAX_GPU_LORAS = 8
+DEFAULT_MAX_CPU_LORAS = 16
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     source: Path | None  # NIM_PEFT_SOURCE; None: a LoRA profile serving with no adapter source set
-    max_rank: int
+    max_rank: int = DEFAULT_MAX_LORA_RANK
+    max_gpu_loras: int = DEFAULT_MAX_GPU_LORAS  # adapters resident on the device (slots)
+    max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # adapters kept read in host memory
+    refresh_interval_s: float | None = None  # rescan period of the source; None: at start only
+
+    @classmethod
+    def with_defaults(
+        cls,
+        source: Path | None,
+        max_rank: int | None = None,
+        max_gpu_loras: int | None = None,
+        max_cpu_loras: int | None = None,
+        refresh_interval_s: float | None = None,
+    ) -> LoraConfig:
+        """Unset limits take the defaults (host memory keeps at least the device's adapters)."""
+        gpu = max_gpu_loras or DEFAULT_MAX_GPU_LORAS
+        return cls(
+            source,
+            max_rank or DEFAULT_MAX_LORA_RANK,
+            gpu,
+            max_cpu_loras or max(DEFAULT_MAX_CPU_LORAS, gpu),
+            refresh_interval_s,
+        )
 
 
 @dataclass(frozen=True)

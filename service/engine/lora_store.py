@@ -40,10 +40,16 @@ class NoFreeSlotError(RuntimeError):
     """Every device slot is held by a running request; the request waits for one."""
 
 
+class NotPreparedError(RuntimeError):
+    """The adapter is known but not in host memory (never read, or evicted since): `prepare` it
+    (off the step thread) and acquire again."""
+
+
 @dataclass(frozen=True)
 class Placement:
     slot: int
     fill: LoraAdapter | None  # the weights to copy into the slot; None: already there
+    version: str  # identifies the adapter's files (salts its prefix-cache blocks)
 
 
 @dataclass(frozen=True)
@@ -60,10 +66,10 @@ class _Slot:
     stale: bool = False  # holds a version the source has replaced: drained, never handed out
 
 
-def _version(path: Path) -> tuple[str, float]:
+def _version(path: Path) -> tuple[str, int]:
     """What identifies an adapter's files: where they are and when they last changed."""
-    stamps = [f.stat().st_mtime for f in sorted(path.iterdir()) if f.is_file()]
-    return str(path), max(stamps, default=0.0)
+    stamps = [f.stat().st_mtime_ns for f in sorted(path.iterdir()) if f.is_file()]
+    return str(path), max(stamps, default=0)
 
 
 @dataclass
@@ -72,12 +78,16 @@ class LoraStore:
     reader: Reader
     device_slots: int
     host_capacity: int
-    _known: dict[str, tuple[str, float]] = field(default_factory=dict, init=False)  # name -> _version
+    _known: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)  # name -> _version
     # Host copies in least-recently-used order (oldest first).
     _host: OrderedDict[str, LoraAdapter] = field(default_factory=OrderedDict, init=False)
     _slots: list[_Slot] = field(default_factory=list, init=False)
     _use_order: list[int] = field(default_factory=list, init=False)  # slot indices, least recent first
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _refused_versions: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    refresh_interval_s: float | None = None  # rescan period (start_refreshing); None: never
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _refresher: threading.Thread | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.device_slots < 1 or self.host_capacity < self.device_slots:
@@ -97,14 +107,19 @@ class LoraStore:
         with self._lock:
             known = dict(self._known)
         added = []
+        refused_versions: dict[str, tuple[str, int]] = {}
         for name, path in found.items():
             version = _version(path)
             if known.get(name) == version:
+                continue
+            if self._refused_versions.get(name) == version:  # unchanged since it was refused
+                refused_versions[name] = version
                 continue
             try:
                 adapter = self.reader(path, name)
             except AdapterError as exc:
                 refused.append(str(exc))
+                refused_versions[name] = version
                 continue
             with self._lock:
                 if name in self._known:
@@ -113,18 +128,48 @@ class LoraStore:
                 self._keep(adapter)
             added.append(name)
         with self._lock:
-            removed = sorted(set(self._known) - set(found))
+            # Gone from the source, or replaced by files that are refused.
+            removed = sorted(n for n in self._known if n not in found or n in refused_versions)
             for name in removed:
-                del self._known[name]
-                self._retire(name)
-                self._host.pop(name, None)
-        for line in refused:
+                self._forget(name)
+            self._refused_versions = refused_versions
+        for line in refused:  # each refusal is reported once, not at every rescan
             log.warning("LoRA adapter not served: %s", line)
         return RefreshResult(tuple(sorted(added)), tuple(removed), tuple(refused))
 
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._known)
+
+    def start_refreshing(self) -> None:
+        """Rescan every `refresh_interval_s` on a thread of its own (no-op without an interval)."""
+        if self.refresh_interval_s is None or self._refresher is not None:
+            return
+        interval = self.refresh_interval_s
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    result = self.refresh()
+                except Exception:  # a transient filesystem error must not end the rescans
+                    log.exception("LoRA source rescan failed")
+                    continue
+                if result.added or result.removed:
+                    log.info(
+                        "LoRA adapters: added %s, removed %s",
+                        ", ".join(result.added) or "none",
+                        ", ".join(result.removed) or "none",
+                    )
+
+        self._stop.clear()
+        self._refresher = threading.Thread(target=loop, name="lora-refresh", daemon=True)
+        self._refresher.start()
+
+    def stop_refreshing(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(5)
+            self._refresher = None
 
     # --- host memory (off the step thread) -------------------------------------------------------
 
@@ -137,7 +182,14 @@ class LoraStore:
             if name in self._host:
                 self._host.move_to_end(name)
                 return
-        adapter = self.reader(Path(version[0]), name)
+        try:
+            adapter = self.reader(Path(version[0]), name)
+        except (AdapterError, OSError) as exc:  # changed or removed on disk since it was listed
+            log.warning("LoRA adapter %s is no longer served: %s", name, exc)
+            with self._lock:
+                if self._known.get(name) == version:
+                    self._forget(name)
+            raise UnknownAdapterError(name) from exc
         with self._lock:
             if self._known.get(name) == version:  # not replaced or removed meanwhile
                 self._keep(adapter)
@@ -145,23 +197,25 @@ class LoraStore:
     # --- device slots (the step thread) -----------------------------------------------------------
 
     def acquire(self, name: str) -> Placement:
-        """A slot holding `name` for one more request. The adapter must be known and prepared."""
+        """A slot holding `name` for one more request. Raises UnknownAdapterError (not served),
+        NotPreparedError (prepare it first) or NoFreeSlotError (every slot is held)."""
         with self._lock:
             if name not in self._known:
                 raise UnknownAdapterError(name)
             adapter = self._host.get(name)
             if adapter is None:
-                raise UnknownAdapterError(f"{name} is not prepared in host memory")
+                raise NotPreparedError(f"LoRA adapter {name} is not in host memory")
             self._host.move_to_end(name)
+            version = ":".join(map(str, self._known[name]))
             for index, slot in enumerate(self._slots):
                 if slot.name == name and not slot.stale:
                     slot.holders += 1
                     self._touch(index)
-                    return Placement(index, None)
+                    return Placement(index, None, version)
             index = self._free_slot()
             self._slots[index] = _Slot(name, 1)
             self._touch(index)
-            return Placement(index, adapter)
+            return Placement(index, adapter, version)
 
     def release(self, slot_index: int) -> None:
         """A request that acquired `slot_index` ended."""
@@ -189,6 +243,11 @@ class LoraStore:
             if victim is None:
                 break  # everything else is in use: exceed the bound until requests end
             del self._host[victim]
+
+    def _forget(self, name: str) -> None:
+        del self._known[name]
+        self._retire(name)
+        self._host.pop(name, None)
 
     def _retire(self, name: str) -> None:
         """Slots holding `name` as it was: emptied now if idle, else drained by their requests."""

@@ -78,9 +78,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
-    # Whatever besides the tokens changes their keys/values (a LoRA adapter): requests with
-    # different salts never share prefix-cache blocks. None until adapters land.
-    cache_salt: str | None = None
+    # The LoRA adapter to run (a name the engine's AdapterCatalog knows, prepared by the API);
+    # None: the base model.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,8 @@ class EngineStats:
     step_tokens: Histogram = field(default_factory=lambda: Histogram.empty(STEP_TOKEN_BOUNDS))
     step_sequences: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SEQUENCE_BOUNDS))
     step_seconds: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SECONDS_BOUNDS))
+    lora_running: tuple[str, ...] = ()  # adapters of running requests (each once)
+    lora_waiting: tuple[str, ...] = ()  # adapters of waiting requests (each once)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -188,6 +190,7 @@ class EngineInfo:
     device: str  # cpu, cuda:0, ...
     tensor_parallel_size: int
     features: EngineFeatures = EngineFeatures()
+    max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no adapters served
 
 
 class EngineDeadError(RuntimeError):
@@ -231,10 +234,25 @@ class Engine(Protocol):
         ...
 
 
+class AdapterCatalog(Protocol):
+    """The LoRA adapters an engine serves (service.engine.lora_store.LoraStore)."""
+
+    def names(self) -> list[str]:
+        """Adapters requests may name now."""
+        ...
+
+    def prepare(self, name: str) -> None:
+        """Have `name` ready to run (read from disk if it is not in memory): blocking, call it off
+        the event loop. Raises KeyError when no adapter of that name is served."""
+        ...
+
+
 @dataclass(frozen=True)
 class LoadedEngine:
-    """What the registry hands the entry point: the engine, what it is, and its tokenizer."""
+    """What the registry hands the entry point: the engine, what it is, its tokenizer, and the
+    LoRA adapters it serves (None: none)."""
 
     engine: Engine
     info: EngineInfo
     tokenizer: Tokenizer
+    adapters: AdapterCatalog | None = None

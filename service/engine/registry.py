@@ -54,7 +54,7 @@ ENGINES: dict[str, EngineEntry] = {
     "torch": EngineEntry(
         "torch",
         "service.engine.torch.loading",
-        EngineSupport(precisions=TORCH_PRECISIONS, max_tensor_parallel=8),
+        EngineSupport(precisions=TORCH_PRECISIONS, max_tensor_parallel=8, lora=True),
         needs="torch",
     ),
     "tensorrt_llm": EngineEntry(

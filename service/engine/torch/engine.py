@@ -11,6 +11,12 @@ Step loop (all on the engine thread):
      its asyncio queue; finished requests free their blocks at once; a stats snapshot is
      published for metering.
 
+LoRA: a request naming an adapter takes a device slot at admission (shared with the other
+requests of that adapter; the adapter's weights are copied in when the slot held another) and
+keeps it until it ends; while every slot is held by running requests of other adapters it waits,
+in arrival order, without holding KV blocks. Its prefix-cache hash chain is salted with the
+adapter and its version, so it never shares KV blocks with the base model or another adapter.
+
 Endings: every request ends with exactly one finished output: finish_reason stop or length, or
 abort (the client left, or the server is stopping), or an `error` when the engine failed it.
 If the step loop itself dies, the engine is dead: every request in flight and every request
@@ -29,12 +35,15 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
 
+from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
 from service.engine.models.config import ModelConfig
 from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     EngineDeadError,
@@ -50,6 +59,7 @@ from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
+from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.model_runner import ModelRunner, StepResult
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -118,6 +128,8 @@ class _Live:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     introduced: bool = False  # the runner has been sent its NewRequest
+    adapter: str | None = None  # the LoRA adapter it runs
+    slot: int = NO_ADAPTER  # the device slot it holds (while it holds one)
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,13 @@ class _Submit:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """An adapter finished reading into host memory: requests parked on it may take a slot."""
+
+    adapter: str
 
 
 @dataclass(frozen=True)
@@ -148,8 +167,13 @@ class TorchEngine:
         info: EngineInfo,
         on_fatal: Callable[[BaseException], None] | None = None,
         tp_group: TPGroup | None = None,
+        adapters: LoraStore | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
+        if (adapters is None) != (lora_slots is None):
+            raise ValueError("LoRA needs both the adapter store and the model's slots")
         self.model = model
+        self.adapters = adapters
         self.tp_group = tp_group  # tensor parallelism: the worker ranks (this process is rank 0)
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -168,11 +192,22 @@ class TorchEngine:
                 model, self.kv_pool, config.max_num_seqs, config.max_model_len, config.device
             )
         self.runner = ModelRunner(
-            model, self.kv_pool, config.device, graphs, config.decode_kernel, followers=tp_group
+            model,
+            self.kv_pool,
+            config.device,
+            graphs,
+            config.decode_kernel,
+            followers=tp_group,
+            lora=lora_slots,
         )
+        self._slot_waiting: list[str] = []  # requests waiting for a LoRA slot, in arrival order
+        # Reads adapters evicted from host memory since the API prepared them, off this thread.
+        self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+        self._reading: set[str] = set()
+        self._slot_freed = False  # a parked request may fit now
         self._live: dict[str, _Live] = {}
         self._ended: list[str] = []  # requests whose runner state the next plan releases
-        self._inbox: queue.Queue[_Submit | _Abort | _Fail | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Abort | _Fail | _Wake | None] = queue.Queue()
         self._inbox_lock = threading.Lock()  # orders submissions against the engine dying
         self._thread: threading.Thread | None = None
         self._ready = False
@@ -235,10 +270,15 @@ class TorchEngine:
         except BaseException:
             await self._stop_ranks()
             raise
+        if self.adapters is not None:
+            self.adapters.start_refreshing()
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
+        if self.adapters is not None:
+            self.adapters.stop_refreshing()
+            self._adapter_reader.shutdown(wait=False, cancel_futures=True)
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
@@ -283,7 +323,8 @@ class TorchEngine:
         try:
             with torch.inference_mode():
                 while not self._stopping:
-                    self._drain_inbox(block=not self.scheduler.has_work())
+                    parked_may_fit = bool(self._slot_waiting) and self._slot_freed
+                    self._drain_inbox(block=not (self.scheduler.has_work() or parked_may_fit))
                     if self._stopping:
                         break
                     self._step()
@@ -327,11 +368,14 @@ class TorchEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: _Submit | _Abort | _Fail | None) -> None:
+    def _handle(self, item: _Submit | _Abort | _Fail | _Wake | None) -> None:
         if item is None:
             self._stopping = True
         elif isinstance(item, _Fail):
             raise item.error
+        elif isinstance(item, _Wake):
+            self._reading.discard(item.adapter)
+            self._slot_freed = True
         elif isinstance(item, _Submit):
             try:
                 self._admit(item)
@@ -344,7 +388,11 @@ class TorchEngine:
             live = self._live.pop(item.request_id, None)
             if live is not None:
                 self._ended.append(item.request_id)
-                if request is not None:
+                parked = item.request_id in self._slot_waiting
+                if parked:
+                    self._slot_waiting.remove(item.request_id)
+                self._release_slot(live)
+                if request is not None or parked:
                     self._emit(live, "", [], finish_reason="abort")
             self._publish_stats()
 
@@ -364,18 +412,88 @@ class TorchEngine:
             )
         if gen.request_id in self._live:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
+        if gen.adapter is not None and self.adapters is None:
+            raise ValueError(f"LoRA adapter {gen.adapter!r} requested, but this engine serves none")
         output = OutputProcessor(self.tokenizer, gen.sampling, num_prompt, self.config.max_model_len)
         request = Request.from_generation(gen)
-        self._live[gen.request_id] = _Live(
+        live = _Live(
             request=request,
             sink=item.sink,
             output=output,
             prompt_logprobs=[None] if gen.sampling.prompt_logprobs is not None else None,
+            adapter=gen.adapter,
         )
+        self._live[gen.request_id] = live
+        if gen.adapter is not None and not self._take_slot(live):
+            self._slot_waiting.append(gen.request_id)
+            return
         self.scheduler.add(request)
+
+    def _take_slot(self, live: _Live) -> bool:
+        """Give `live` a device slot holding its adapter; False when it must wait (every slot is
+        held, or the adapter is being read back into host memory). Raises UnknownAdapterError
+        when the adapter is no longer served."""
+        assert self.adapters is not None and self.runner.lora is not None and live.adapter is not None
+        try:
+            placement = self.adapters.acquire(live.adapter)
+        except NoFreeSlotError:
+            return False
+        except NotPreparedError:
+            self._read_adapter(live.adapter)
+            return False
+        if placement.fill is not None:
+            self.runner.lora.fill(placement.slot, placement.fill)
+            log.info("LoRA adapter %s loaded into device slot %d", live.adapter, placement.slot)
+        live.slot = placement.slot
+        live.request.cache_salt = f"lora:{live.adapter}:{placement.version}"
+        return True
+
+    def _release_slot(self, live: _Live) -> None:
+        if live.slot != NO_ADAPTER:
+            assert self.adapters is not None
+            self.adapters.release(live.slot)
+            live.slot = NO_ADAPTER
+            self._slot_freed = True
+
+    def _read_adapter(self, name: str) -> None:
+        """Read `name` back into host memory on the reader thread; wake the step loop when done."""
+        if name in self._reading:
+            return
+        self._reading.add(name)
+        assert self.adapters is not None
+
+        def done(_: Future[None]) -> None:
+            self._inbox.put(_Wake(name))
+
+        self._adapter_reader.submit(self.adapters.prepare, name).add_done_callback(done)
+
+    def _admit_parked(self) -> None:
+        """Requests waiting for a LoRA slot take the slots freed (in arrival order); requests of
+        an adapter already in a slot join it; requests of an adapter no longer served fail."""
+        self._slot_freed = False
+        for request_id in list(self._slot_waiting):
+            live = self._live[request_id]
+            try:
+                placed = self._take_slot(live)
+            except UnknownAdapterError:  # removed from the source while it waited
+                self._slot_waiting.remove(request_id)
+                del self._live[request_id]
+                message = f"LoRA adapter {live.adapter} is no longer served"
+                num_prompt = live.request.num_prompt_tokens
+                live.sink(
+                    RequestOutput(
+                        request_id, "", [], num_prompt, 0, True, error=message, time=time.monotonic()
+                    )
+                )
+                continue
+            if placed:
+                self._slot_waiting.remove(request_id)
+                self.scheduler.add(live.request)
 
     def _step(self) -> None:
         started = time.perf_counter()
+        if self._slot_waiting:
+            self._admit_parked()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             self._publish_stats()
@@ -412,6 +530,7 @@ class TorchEngine:
                     sample=chunk.completes,
                     prompt_logits=request.sampling.prompt_logprobs is not None
                     and chunk.start < request.num_prompt_tokens,
+                    adapter_slot=live.slot,
                 )
             )
         ended, self._ended = tuple(self._ended), []
@@ -434,6 +553,7 @@ class TorchEngine:
             if reason is not None:
                 self.scheduler.finish(request)
                 del self._live[request_id]
+                self._release_slot(live)
                 self._ended.append(request_id)
             logprobs = [token.logprob] if token.logprob else None
             self._emit(live, text, [token.token_id], reason, logprobs, now)
@@ -472,6 +592,7 @@ class TorchEngine:
         now = time.monotonic()
         for live in list(self._live.values()):
             self.scheduler.abort(live.request.request_id)
+            self._release_slot(live)
             request = live.request
             live.sink(
                 RequestOutput(
@@ -488,6 +609,7 @@ class TorchEngine:
                 )
             )
         self._live.clear()
+        self._slot_waiting.clear()
         self._publish_stats()
 
     def _publish_stats(self, plan: StepPlan | None = None, seconds: float = 0.0) -> None:
@@ -501,10 +623,21 @@ class TorchEngine:
                 step_sequences=stats.step_sequences.observe(plan.num_sequences),
                 step_seconds=stats.step_seconds.observe(seconds),
             )
+        lora_running: tuple[str, ...] = ()
+        lora_waiting: tuple[str, ...] = ()
+        if self.adapters is not None:
+            running = set(self.scheduler.running)
+            by_state: dict[bool, set[str]] = {True: set(), False: set()}
+            for live in self._live.values():
+                if live.adapter is not None:
+                    by_state[live.request in running].add(live.adapter)
+            lora_running, lora_waiting = tuple(sorted(by_state[True])), tuple(sorted(by_state[False]))
         self._stats = replace(
             stats,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._slot_waiting),
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
             kv_blocks_used=self.pool.num_blocks - self.pool.num_free,
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,

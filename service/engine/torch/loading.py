@@ -12,6 +12,8 @@ import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
+from service.engine.lora import read_adapter
+from service.engine.lora_store import LoraStore
 from service.engine.models import quant_cache
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import prepacking_supported
@@ -30,6 +32,7 @@ from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
 from service.engine.torch.kv_pool import KVCacheSpec
+from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.tp_group import RankSetup, TPGroup
 from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
 from service.logging import JSONLinesFormatter
@@ -50,7 +53,53 @@ class KVCacheTooSmallError(UnsupportedConfigError):
 def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> LoadedEngine:
     """The registry's hook: load weights and tokenizer (blocking: call from a worker thread)."""
     engine = build_engine(config, on_fatal)
-    return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer)
+    return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer, adapters=engine.adapters)
+
+
+def check_lora(config: EngineConfig) -> None:
+    """Refuse LoRA settings this engine cannot honour, before anything loads."""
+    lora = config.lora
+    if lora is None:
+        return
+    if lora.source is None:
+        raise UnsupportedConfigError(
+            f"profile {config.profile_name} serves LoRA adapters: set NIM_PEFT_SOURCE to their directory"
+        )
+    if config.tensor_parallel_size > 1:
+        raise UnsupportedConfigError(
+            f"NIM_PEFT_SOURCE with tp={config.tensor_parallel_size}: the torch engine serves LoRA adapters "
+            "on one rank only in this version; unset NIM_TENSOR_PARALLEL_SIZE or choose a tp=1 profile"
+        )
+
+
+def attach_lora(
+    config: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig
+) -> tuple[LoraStore, LoraSlots] | None:
+    """The adapter store (scanned once now) and the model's device slots, when LoRA is configured."""
+    lora = config.lora
+    if lora is None or lora.source is None:
+        return None
+    slots = LoraSlots.attach(model, lora.max_gpu_loras, lora.max_rank)
+    store = LoraStore(
+        source=lora.source,
+        reader=lambda path, name: read_adapter(path, name, model_config, lora.max_rank),
+        device_slots=lora.max_gpu_loras,
+        host_capacity=lora.max_cpu_loras,
+        refresh_interval_s=lora.refresh_interval_s,
+    )
+    result = store.refresh()
+    log.info(
+        "LoRA: %d adapter(s) from %s (%s); %d device slots of rank <= %d (%.1f MB), %d kept in host memory%s",
+        len(result.added),
+        lora.source,
+        ", ".join(result.added) or "none yet",
+        lora.max_gpu_loras,
+        lora.max_rank,
+        slots.nbytes / 1e6,
+        lora.max_cpu_loras,
+        f", rescanned every {lora.refresh_interval_s:g} s" if lora.refresh_interval_s else "",
+    )
+    return store, slots
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -194,6 +243,7 @@ def build_engine(
     config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
 ) -> TorchEngine:
     device, dtype = resolve_device(config)
+    check_lora(config)
     size = config.tensor_parallel_size
     threads = config.num_threads or available_cpu_count()
     if device.type == "cpu":
@@ -220,6 +270,7 @@ def build_engine(
             tokenizer = Tokenizer.from_gguf(config.model_path)
         else:
             tokenizer = Tokenizer.from_directory(config.model_path)
+        lora = attach_lora(config, loaded.model, loaded.model_config)  # before the KV cache takes memory
         num_blocks = loaded.propose_blocks(config, size)
         if group is not None:
             num_blocks = group.agree_blocks(num_blocks)
@@ -254,10 +305,19 @@ def build_engine(
         kv_num_blocks=num_blocks,
         device=str(device),
         tensor_parallel_size=size,
-        features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching),
+        features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching, lora=lora is not None),
+        max_loras=lora[1].num_slots if lora is not None else 0,
     )
     return TorchEngine(
-        loaded.model, loaded.model_config, tokenizer, engine_config, info, on_fatal=on_fatal, tp_group=group
+        loaded.model,
+        loaded.model_config,
+        tokenizer,
+        engine_config,
+        info,
+        on_fatal=on_fatal,
+        tp_group=group,
+        adapters=lora[0] if lora is not None else None,
+        lora_slots=lora[1] if lora is not None else None,
     )
 
 

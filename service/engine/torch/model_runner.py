@@ -16,6 +16,7 @@ from service.engine.models.llama import LlamaForCausalLM
 from service.engine.protocol import TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import (
     AttentionMetadata,
     PagedAttention,
@@ -71,6 +72,7 @@ class ModelRunner:
         decode_graphs: CudaGraphDecoder | None = None,
         decode_kernel: bool = False,
         followers: Followers | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         if followers is not None and decode_graphs is not None:
             raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
@@ -80,6 +82,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
         self.pool = pool
         self.device = device
+        self.lora = lora  # the model's adapter slots, when it serves LoRA adapters
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' (attention masks too)
         self.block_size = pool.spec.block_size
         config = model.config
@@ -99,7 +102,7 @@ class ModelRunner:
             )
         if not plan.request_ids:
             return StepResult([], {})
-        if self.decode_graphs is not None and self.decode_graphs.can_run(plan):
+        if self.decode_graphs is not None and not plan.adapted and self.decode_graphs.can_run(plan):
             logits = self.decode_graphs.run(plan)  # [S, V]: every sequence decodes and samples
             spans = [(i, i + 1) for i in range(plan.num_sequences)]
         else:
@@ -126,6 +129,8 @@ class ModelRunner:
         The rows: every token of a prompt-logprobs chunk, else the last token of each sequence
         that samples.
         """
+        if self.lora is not None:
+            self.lora.set_step(plan.adapter_slots, plan.query_lens, self.device)
         hidden = self._forward(plan)  # [T, H]
         wanted: list[int] = []
         spans: list[tuple[int, int]] = []

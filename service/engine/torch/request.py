@@ -44,7 +44,6 @@ class Request:
             num_prompt_tokens=len(request.prompt_token_ids),
             sampling=request.sampling,
             arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt,
         )
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.protocol import SamplingParams
 from service.util import cdiv
 
@@ -26,7 +27,6 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     end_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
-    adapter_slot: int = 0  # 0: the base model (LoRA adapters are not served yet)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StepPlan:
     block_tables: tuple[tuple[int, ...], ...]  # [S] the blocks covering each context
     sample: tuple[bool, ...]  # [S] the step reaches the sequence's last token: sample after it
     prompt_logits: tuple[bool, ...]  # [S] the request wants prompt logprobs of these tokens
-    adapter_slots: tuple[int, ...]  # [S] 0: the base model
+    adapter_slots: tuple[int, ...]  # [S] the LoRA slot of each sequence; NO_ADAPTER: the base model
     num_decodes: int
     input_ids: tuple[int, ...]  # [T]
     positions: tuple[int, ...]  # [T]
@@ -57,6 +57,11 @@ class StepPlan:
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.request_ids)
 
+    @property
+    def adapted(self) -> bool:
+        """Some sequence runs a LoRA adapter."""
+        return any(slot != NO_ADAPTER for slot in self.adapter_slots)
+
 
 @dataclass(frozen=True)
 class ScheduledSequence:
@@ -69,7 +74,7 @@ class ScheduledSequence:
     block_table: list[int]
     sample: bool
     prompt_logits: bool
-    adapter_slot: int = 0
+    adapter_slot: int = NO_ADAPTER
 
 
 def build_plan(

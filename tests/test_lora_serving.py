@@ -1,0 +1,272 @@
+"""Multi-LoRA serving through the real server and the official client.
+
+A tiny float32 checkpoint (byte-level tokenizer) is served with NIM_PEFT_SOURCE holding adapters
+this file writes in PEFT's layout. What is checked:
+- an adapter's greedy tokens and logprobs equal the base model's with merged weights
+  W + scale * B @ A, served as a checkpoint of its own (float32: logprobs within 2e-3 nats);
+- four adapters and the base model, requested at once (one mixed batch), answer as each does
+  alone; with fewer device slots than adapters, requests wait for a slot and answer the same;
+- /v1/models lists the adapters with the base model as parent; an unknown adapter is a 404 in
+  OpenAI's shape; the gateway metric vllm:lora_requests_info and per-adapter counts are exported;
+- the prefix cache never shares blocks across adapters;
+- adapters added to the source appear at the next rescan, removed ones disappear while a request
+  already running with one finishes; a malformed adapter is never listed and the server serves on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.engine.lora import projection_shape
+from service.engine.models.config import ModelConfig
+from tests.conftest import ServerProcess
+from tests.test_quantization import serving
+from tests.test_tensor_parallel import _checkpoint
+from tests.test_tensor_parallel_serving import _distinct_tokens
+
+NAME = "tiny-lora"
+PROMPTS = ["Once upon a time", "The capital of France is", "0123456789", "adapters mixed in a batch"]
+TOKENS = 10
+ADAPTERS = ("sql", "chat.v2", "legal", "med")
+FP32 = {"NIM_MODEL_PROFILE": "torch-generic-fp32-tp1-pp1-throughput"}
+LONG = 400  # tokens: a request that outlasts an adapter's removal (~1 s here)
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = _checkpoint(
+        tmp_path_factory.mktemp("lora") / NAME, vocab_size=256, max_position_embeddings=512
+    )
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 4  # sharper: fewer near-ties
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _distinct_tokens(directory)
+    return directory
+
+
+def _config(checkpoint: Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+
+
+def write_adapter(
+    directory: Path, config: ModelConfig, seed: int, rank: int = 8, modules: tuple[str, ...] = MODULES
+) -> dict[tuple[int, str], torch.Tensor]:
+    """A PEFT adapter in `directory`; returns each projection's merged delta scale * B @ A."""
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    alpha = 2.0 * rank
+    tensors, deltas = {}, {}
+    for layer in range(config.num_layers):
+        for module in modules:
+            out_features, in_features = projection_shape(config, module)
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            a = torch.randn(rank, in_features, generator=generator) * 0.15
+            b = torch.randn(out_features, rank, generator=generator) * 0.15
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            deltas[(layer, module)] = (alpha / rank) * (b @ a)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+    return deltas
+
+
+def _merged(checkpoint: Path, deltas: dict[tuple[int, str], torch.Tensor], directory: Path) -> Path:
+    shutil.copytree(checkpoint, directory)
+    tensors = load_file(checkpoint / "model.safetensors")
+    for (layer, module), delta in deltas.items():
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        key = f"model.layers.{layer}.{block}.{module}.weight"
+        tensors[key] = (tensors[key].double() + delta.double()).float()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def source(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    config = _config(checkpoint)
+    for seed, name in enumerate(ADAPTERS):
+        write_adapter(root / name, config, seed=100 + seed, rank=4 + 4 * seed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_server(
+    checkpoint: Path, source: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    env = {
+        **FP32,
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_MAX_GPU_LORAS": "4",
+        "NIM_MAX_LORA_RANK": "16",
+        "NIM_ENABLE_KV_CACHE_REUSE": "1",
+    }
+    with serving(tmp_path_factory.mktemp("lora-server") / "server.log", env) as server:
+        yield server
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _greedy(server: ServerProcess, model: str, prompt: str) -> tuple[list[str], list[float]]:
+    out = _client(server).completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=TOKENS,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    assert out.model == model and choice.finish_reason == "length"
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert choice.logprobs.token_logprobs is not None
+    return choice.logprobs.tokens, [float(x) for x in choice.logprobs.token_logprobs]
+
+
+def test_an_adapter_answers_as_its_merged_weights(checkpoint: Path, tmp_path: Path) -> None:
+    source = tmp_path / "adapters"
+    deltas = write_adapter(source / "merged-check", _config(checkpoint), seed=7, rank=8)
+    merged = _merged(checkpoint, deltas, tmp_path / NAME)  # same served name as the base
+    env = {**FP32, "NIM_MODEL_NAME": str(checkpoint), "NIM_PEFT_SOURCE": str(source)}
+    with serving(tmp_path / "lora.log", env) as server:
+        adapted = [_greedy(server, "merged-check", p) for p in PROMPTS]
+        base = [_greedy(server, NAME, p) for p in PROMPTS]
+    with serving(tmp_path / "merged.log", {**FP32, "NIM_MODEL_NAME": str(merged)}) as server:
+        want = [_greedy(server, NAME, p) for p in PROMPTS]
+    assert [tokens for tokens, _ in base] != [tokens for tokens, _ in want]  # the adapter matters
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(adapted, want, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=2e-3)
+
+
+def test_four_adapters_and_the_base_in_one_batch_answer_as_each_alone(lora_server: ServerProcess) -> None:
+    models = [NAME, *ADAPTERS]
+    jobs = [(model, prompt) for model in models for prompt in PROMPTS]
+    alone = {job: _greedy(lora_server, *job) for job in jobs}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = dict(zip(jobs, pool.map(lambda job: _greedy(lora_server, *job), jobs), strict=True))
+    for job in jobs:
+        assert together[job][0] == alone[job][0], job
+        assert together[job][1] == pytest.approx(alone[job][1], abs=1e-3), job
+    answers = {model: [alone[(model, p)][0] for p in PROMPTS] for model in models}
+    assert len({json.dumps(a) for a in answers.values()}) == len(models)  # each answers its own way
+    metrics = httpx.get(f"{lora_server.base_url}/v1/metrics", timeout=10).text
+    idle = 'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}'
+    assert idle in metrics
+    for adapter in ADAPTERS:
+        assert f'nim_lora_requests_total{{lora_name="{adapter}",model_name="{NAME}"}} 8.0' in metrics
+
+
+def test_models_lists_adapters_and_an_unknown_one_is_a_404(lora_server: ServerProcess) -> None:
+    client = _client(lora_server)
+    cards = {m.id: m for m in client.models.list().data}
+    assert sorted(cards) == sorted([NAME, *ADAPTERS])
+    assert all(getattr(cards[a], "parent", None) == NAME for a in ADAPTERS)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    assert caught.value.code == "model_not_found"
+    streamed = client.completions.create(model="legal", prompt="hi", max_tokens=3, stream=True)
+    assert {chunk.model for chunk in streamed} == {"legal"}
+
+
+def test_the_prefix_cache_is_never_shared_across_adapters(lora_server: ServerProcess) -> None:
+    prompt = "A long shared preamble that fills several KV blocks of sixteen tokens each, for reuse. " * 2
+
+    def cached(model: str) -> int:
+        out = _client(lora_server).completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        assert out.usage is not None
+        details = out.usage.prompt_tokens_details
+        return details.cached_tokens if details is not None and details.cached_tokens else 0
+
+    assert cached("sql") == 0
+    assert cached("sql") > 0  # the same adapter reuses its blocks
+    assert cached(NAME) == 0  # the base model does not see them
+    assert cached("med") == 0  # nor does another adapter
+    assert cached(NAME) > 0
+
+
+def test_requests_wait_for_a_device_slot(checkpoint: Path, source: Path, tmp_path: Path) -> None:
+    """One slot, four adapters requested at once: they take turns and answer as with four slots."""
+    env = {
+        **FP32,
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_MAX_GPU_LORAS": "1",
+        "NIM_MAX_CPU_LORAS": "2",
+        "NIM_MAX_LORA_RANK": "16",
+    }
+    with serving(tmp_path / "server.log", env) as server:
+        alone = {a: _greedy(server, a, PROMPTS[0])[0] for a in ADAPTERS}
+        with ThreadPoolExecutor(len(ADAPTERS) * 2) as pool:
+            jobs = [*ADAPTERS, *ADAPTERS]
+            together = list(pool.map(lambda a: _greedy(server, a, PROMPTS[0])[0], jobs))
+        assert together == [alone[a] for a in jobs]
+        assert "LoRA adapter med loaded into device slot 0" in server.log()
+
+
+def test_adapters_come_and_go_with_the_source(checkpoint: Path, tmp_path: Path) -> None:
+    source = tmp_path / "adapters"
+    config = _config(checkpoint)
+    write_adapter(source / "first", config, seed=1)
+    env = {
+        **FP32,
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_PEFT_REFRESH_INTERVAL": "0.2",
+        "NIM_MAX_LORA_RANK": "8",
+    }
+    with serving(tmp_path / "server.log", env) as server:
+        client = _client(server)
+
+        def listed() -> list[str]:
+            return sorted(m.id for m in client.models.list().data)
+
+        def wait_for(names: list[str]) -> None:
+            deadline = time.monotonic() + 20
+            while listed() != names:
+                assert time.monotonic() < deadline, listed()
+                time.sleep(0.1)
+
+        assert listed() == ["first", NAME]
+        write_adapter(source / "second", config, seed=2)
+        write_adapter(source / "too-big", config, seed=3, rank=16)  # above NIM_MAX_LORA_RANK
+        (source / "broken").mkdir()
+        (source / "broken" / "adapter_config.json").write_text("{not json")
+        wait_for(["first", "second", NAME])
+        assert _greedy(server, "second", PROMPTS[0])[0]
+
+        # Remove "first" while a request runs with it: the request finishes, new ones are refused.
+        stream = client.completions.create(
+            model="first", prompt=PROMPTS[1], max_tokens=LONG, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        shutil.rmtree(source / "first")
+        wait_for(["second", NAME])
+        metrics = httpx.get(f"{server.base_url}/v1/metrics", timeout=10).text
+        assert 'running_lora_adapters="first"' in metrics  # still running, after the removal
+        rest = list(chunks)
+        assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == LONG
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="first", prompt="hi", max_tokens=2)
+        log = server.log()
+    assert log.count("rank 16 is above NIM_MAX_LORA_RANK=8") == 1  # reported once, not per rescan
+    assert log.count("adapter broken: unreadable adapter_config.json") == 1
