@@ -487,11 +487,6 @@ def test_every_object_is_valid_kubernetes(name: str) -> None:
             id="tp-without-gpus",
         ),
         pytest.param(
-            {"model": {"loraSource": "/loras", "tensorParallelSize": 2}, "resources": {"gpu": 2}},
-            ["model.loraSource with model.tensorParallelSize 2", "one rank only"],
-            id="lora-with-tensor-parallelism",
-        ),
-        pytest.param(
             {"model": {"lora": {"maxGpuLoras": 4}}},
             ["model.lora settings need model.loraSource"],
             id="lora-settings-without-source",

@@ -9,6 +9,7 @@ this file writes in PEFT's layout. What is checked:
 - /v1/models lists the adapters with the base model as parent; an unknown adapter is a 404 in
   OpenAI's shape; the gateway metric vllm:lora_requests_info and per-adapter counts are exported;
 - the prefix cache never shares blocks across adapters;
+- over two tensor-parallel ranks (adapters sharded like their layers) the answers are one rank's;
 - adapters added to the source appear at the next rescan, removed ones disappear while a request
   already running with one finishes; a malformed adapter is never listed and the server serves on.
 """
@@ -199,6 +200,26 @@ def test_the_prefix_cache_is_never_shared_across_adapters(lora_server: ServerPro
     assert cached(NAME) == 0  # the base model does not see them
     assert cached("med") == 0  # nor does another adapter
     assert cached(NAME) > 0
+
+
+def test_two_ranks_serve_adapters_as_one(
+    lora_server: ServerProcess, checkpoint: Path, source: Path, tmp_path: Path
+) -> None:
+    jobs = [(model, PROMPTS[i % len(PROMPTS)]) for i, model in enumerate([NAME, *ADAPTERS])]
+    alone = [_greedy(lora_server, *job) for job in jobs]
+    env = {
+        "NIM_MODEL_PROFILE": "torch-generic-fp32-tp2-pp1-throughput",
+        "NIM_TENSOR_PARALLEL_SIZE": "2",
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_MAX_GPU_LORAS": "2",  # fewer slots than adapters: slots are refilled on every rank
+        "NIM_MAX_LORA_RANK": "16",
+    }
+    with serving(tmp_path / "tp2.log", env) as server, ThreadPoolExecutor(len(jobs)) as pool:
+        sharded = list(pool.map(lambda job: _greedy(server, *job), jobs))
+    for job, (tokens, logprobs), (want_tokens, want_logprobs) in zip(jobs, sharded, alone, strict=True):
+        assert tokens == want_tokens, job
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-3), job
 
 
 def test_requests_wait_for_a_device_slot(checkpoint: Path, source: Path, tmp_path: Path) -> None:

@@ -449,9 +449,6 @@ Checks that JSON schema cannot express; rendered from the workload so every inst
 {{- if and (not $v.model.loraSource) (or (not (kindIs "invalid" $lora.refreshInterval)) (not (kindIs "invalid" $lora.maxRank)) (not (kindIs "invalid" $lora.maxGpuLoras)) (not (kindIs "invalid" $lora.maxCpuLoras))) }}
 {{- fail "model.lora settings need model.loraSource (NIM_PEFT_SOURCE): without adapters they govern nothing, and the service refuses them at start." }}
 {{- end }}
-{{- if and $v.model.loraSource (not (kindIs "invalid" $tp)) (gt (int $tp) 1) }}
-{{- fail (printf "model.loraSource with model.tensorParallelSize %v: this version serves LoRA adapters on one rank only and refuses the combination at start, which would crash-loop a pod that holds GPUs. Use tensorParallelSize 1 (or null) with adapters." $tp) }}
-{{- end }}
 {{- if and $v.model.loraSource (not (kindIs "invalid" $lora.maxGpuLoras)) (not (kindIs "invalid" $lora.maxCpuLoras)) (lt (int $lora.maxCpuLoras) (int $lora.maxGpuLoras)) }}
 {{- fail (printf "model.lora.maxCpuLoras (%v) is below model.lora.maxGpuLoras (%v): every adapter on the device is also kept in host memory, and the service refuses this at start." $lora.maxCpuLoras $lora.maxGpuLoras) }}
 {{- end }}

@@ -147,7 +147,7 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
             layer, module = int(match["layer"]), match["module"]
             if module not in TARGETS:
                 raise AdapterError(f"adapter {name}: targets {module}, which this engine does not adapt")
-            if match["block"] != _block(module):
+            if match["block"] != block_of(module):
                 raise AdapterError(f"adapter {name}: tensor {key!r} puts {module} under {match['block']}")
             if layer >= config.num_layers:
                 raise AdapterError(
@@ -165,7 +165,7 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
         if not (a.is_floating_point() and b.is_floating_point()):
             raise AdapterError(f"{where}: weights must be floating point, not {a.dtype} / {b.dtype}")
         out_features, in_features = projection_shape(config, module)
-        path = f"model.layers.{layer}.{_block(module)}.{module}"
+        path = f"model.layers.{layer}.{block_of(module)}.{module}"
         rank = int(_pattern_value(settings.get("rank_pattern"), path, settings["r"]))
         alpha = float(_pattern_value(settings.get("alpha_pattern"), path, settings["lora_alpha"]))
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
@@ -180,7 +180,7 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
     return LoraAdapter(name, directory, modules)
 
 
-def _block(module: str) -> str:
+def block_of(module: str) -> str:
     """The decoder block a projection belongs to, as its checkpoint names it."""
     return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from service.engine.lora import LoraAdapter
 from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
 from service.engine.models.config import ModelConfig
 from service.engine.models.llama import LlamaForCausalLM
@@ -205,6 +206,7 @@ class TorchEngine:
         self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self._reading: set[str] = set()
         self._slot_freed = False  # a parked request may fit now
+        self._lora_fills: list[tuple[int, LoraAdapter]] = []  # slots the next plan fills
         self._live: dict[str, _Live] = {}
         self._ended: list[str] = []  # requests whose runner state the next plan releases
         self._inbox: queue.Queue[_Submit | _Abort | _Fail | _Wake | None] = queue.Queue()
@@ -441,8 +443,8 @@ class TorchEngine:
         except NotPreparedError:
             self._read_adapter(live.adapter)
             return False
-        if placement.fill is not None:
-            self.runner.lora.fill(placement.slot, placement.fill)
+        if placement.fill is not None:  # copied in by the next plan's runner (every rank)
+            self._lora_fills.append((placement.slot, placement.fill))
             log.info("LoRA adapter %s loaded into device slot %d", live.adapter, placement.slot)
         live.slot = placement.slot
         live.request.cache_salt = f"lora:{live.adapter}:{placement.version}"
@@ -534,7 +536,8 @@ class TorchEngine:
                 )
             )
         ended, self._ended = tuple(self._ended), []
-        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended)
+        fills, self._lora_fills = tuple(self._lora_fills), []
+        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended, fills)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         for request_id, entries in result.prompt_logprobs.items():

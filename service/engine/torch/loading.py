@@ -65,21 +65,12 @@ def check_lora(config: EngineConfig) -> None:
         raise UnsupportedConfigError(
             f"profile {config.profile_name} serves LoRA adapters: set NIM_PEFT_SOURCE to their directory"
         )
-    if config.tensor_parallel_size > 1:
-        raise UnsupportedConfigError(
-            f"NIM_PEFT_SOURCE with tp={config.tensor_parallel_size}: the torch engine serves LoRA adapters "
-            "on one rank only in this version; unset NIM_TENSOR_PARALLEL_SIZE or choose a tp=1 profile"
-        )
 
 
-def attach_lora(
-    config: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig
-) -> tuple[LoraStore, LoraSlots] | None:
-    """The adapter store (scanned once now) and the model's device slots, when LoRA is configured."""
+def adapter_store(config: EngineConfig, model_config: ModelConfig, slots: LoraSlots) -> LoraStore:
+    """The adapter store over the model's slots (the source scanned once now)."""
     lora = config.lora
-    if lora is None or lora.source is None:
-        return None
-    slots = LoraSlots.attach(model, lora.max_gpu_loras, lora.max_rank)
+    assert lora is not None and lora.source is not None
     store = LoraStore(
         source=lora.source,
         reader=lambda path, name: read_adapter(path, name, model_config, lora.max_rank),
@@ -99,7 +90,7 @@ def attach_lora(
         lora.max_cpu_loras,
         f", rescanned every {lora.refresh_interval_s:g} s" if lora.refresh_interval_s else "",
     )
-    return store, slots
+    return store
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -135,6 +126,7 @@ class RankLoad:
     max_model_len: int
     mode: Mode  # how the weight precision runs
     decode_kernel: bool  # decodes attend through the Triton paged kernel (CUDA)
+    lora: LoraSlots | None = None  # the model's LoRA device slots (this rank's shards)
 
     def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
         """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory."""
@@ -236,7 +228,10 @@ def load_rank(
         model_dtype=dtype,
     )
     decode_kernel = device.type == "cuda" and decode_kernel_supported(kv_spec)
-    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel)
+    lora = None
+    if config.lora is not None:  # before the KV cache takes its share of memory
+        lora = LoraSlots.attach(model, config.lora.max_gpu_loras, config.lora.max_rank, layout)
+    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel, lora)
 
 
 def build_engine(
@@ -270,7 +265,7 @@ def build_engine(
             tokenizer = Tokenizer.from_gguf(config.model_path)
         else:
             tokenizer = Tokenizer.from_directory(config.model_path)
-        lora = attach_lora(config, loaded.model, loaded.model_config)  # before the KV cache takes memory
+        adapters = None if loaded.lora is None else adapter_store(config, loaded.model_config, loaded.lora)
         num_blocks = loaded.propose_blocks(config, size)
         if group is not None:
             num_blocks = group.agree_blocks(num_blocks)
@@ -305,8 +300,10 @@ def build_engine(
         kv_num_blocks=num_blocks,
         device=str(device),
         tensor_parallel_size=size,
-        features=EngineFeatures(prefix_caching=config.kv_cache.enable_prefix_caching, lora=lora is not None),
-        max_loras=lora[1].num_slots if lora is not None else 0,
+        features=EngineFeatures(
+            prefix_caching=config.kv_cache.enable_prefix_caching, lora=adapters is not None
+        ),
+        max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
     )
     return TorchEngine(
         loaded.model,
@@ -316,8 +313,8 @@ def build_engine(
         info,
         on_fatal=on_fatal,
         tp_group=group,
-        adapters=lora[0] if lora is not None else None,
-        lora_slots=lora[1] if lora is not None else None,
+        adapters=adapters,
+        lora_slots=loaded.lora,
     )
 
 

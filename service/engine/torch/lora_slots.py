@@ -6,6 +6,11 @@ gate/up) and down_proj in an AdaptedLinear whose stacks hold `num_slots` adapter
 is sized; filling a slot copies an adapter's weights into it (zeros where the adapter leaves a
 projection alone). Each step the runner sets which rows use which slot; rows of the base model
 (NO_ADAPTER) run the base layers alone.
+
+Under tensor parallelism each rank's slots hold its shard, cut like the base layer's: lora_B's
+rows of a column-parallel projection (q/k/v, gate/up), lora_A's columns of a row-parallel one
+(o, down), whose partial LoRA terms the layer's all-reduce sums with the base output's
+((sum_r x_r A_r^T) B^T = x A^T B^T).
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from collections.abc import Sequence
 
 import torch
 
-from service.engine.lora import LoraAdapter
+from service.engine.lora import LoraAdapter, block_of
 from service.engine.models.llama import LlamaForCausalLM
-from service.engine.models.lora_ops import NO_ADAPTER, AdaptedLinear, LoraBatch, LoraContext, LoraStack
+from service.engine.models.lora_ops import (
+    NO_ADAPTER,
+    AdaptedLinear,
+    LoraBatch,
+    LoraContext,
+    LoraPiece,
+    LoraStack,
+)
+from service.engine.models.tensor_parallel import TPLayout
 
 # fused module -> the checkpoint projections it holds, in row order
 _PARTS = {
@@ -28,18 +41,22 @@ _PARTS = {
 
 
 class LoraSlots:
-    def __init__(self, num_slots: int, max_rank: int) -> None:
+    def __init__(self, num_slots: int, max_rank: int, layout: TPLayout | None = None) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
+        self.layout = layout  # this rank's shard of every projection (None: the whole model)
         self.context = LoraContext()
         self.stacks: dict[tuple[int, str], LoraStack] = {}  # (layer, fused module) -> stack
         self.names: list[str | None] = [None] * num_slots  # what each slot holds (for logs)
 
     @classmethod
-    def attach(cls, model: LlamaForCausalLM, num_slots: int, max_rank: int) -> LoraSlots:
-        """Wrap `model`'s projections (after its weights are loaded and prepacked)."""
-        slots = cls(num_slots, max_rank)
-        config = model.config
+    def attach(
+        cls, model: LlamaForCausalLM, num_slots: int, max_rank: int, layout: TPLayout | None = None
+    ) -> LoraSlots:
+        """Wrap `model`'s projections (after its weights are loaded and prepacked); `model` is
+        `layout`'s shard under tensor parallelism."""
+        slots = cls(num_slots, max_rank, layout)
+        config = model.config  # this rank's sizes
         dtype = model.model.embed_tokens.weight.dtype
         device = model.model.embed_tokens.weight.device
         sizes = {
@@ -81,9 +98,21 @@ class LoraSlots:
             for part in _PARTS[fused]:
                 weights = adapter.modules.get((layer, part))
                 if weights is not None:
-                    pieces[part] = (weights.a, weights.b, weights.scale)
+                    pieces[part] = self._shard(layer, part, (weights.a, weights.b, weights.scale))
             stack.fill(slot, pieces)
         self.names[slot] = adapter.name
+
+    def _shard(self, layer: int, part: str, piece: LoraPiece) -> LoraPiece:
+        """This rank's share of one projection's adapter weights."""
+        if self.layout is None:
+            return piece
+        a, b, scale = piece
+        split = self.layout.split_of(f"model.layers.{layer}.{block_of(part)}.{part}.weight")
+        assert split is not None, part
+        how, start, stop = split
+        if how == "rows":  # column-parallel: this rank's output rows
+            return a, b[start:stop], scale
+        return a[:, start:stop], b, scale  # row-parallel: this rank's input columns
 
     def set_step(self, slots: Sequence[int], lengths: Sequence[int], device: torch.device) -> bool:
         """This step's rows: sequence i covers lengths[i] rows and uses slots[i]. Returns whether

@@ -93,7 +93,14 @@ class ModelRunner:
     def num_live_requests(self) -> int:
         return len(self._rows)
 
+    def fill_slots(self, plan: StepPlan) -> None:
+        """Copy the adapters the plan places into their LoRA slots (every rank, before the step)."""
+        for slot, adapter in plan.lora_fills:
+            assert self.lora is not None, "LoRA fills for a model without slots"
+            self.lora.fill(slot, adapter)
+
     def execute(self, plan: StepPlan) -> StepResult:
+        self.fill_slots(plan)
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
         for new in plan.new_requests:

@@ -1,7 +1,9 @@
 """What the scheduler decided for one step, as plain picklable data the model runner consumes.
 
-The plan holds no live objects (no Request, no callbacks, no tensors): a runner in another
-process (a tensor-parallel worker, an engine-core process) receives exactly this. Per-request
+The plan holds no live objects (no Request, no callbacks, no device tensors): a runner in another
+process (a tensor-parallel worker, an engine-core process) receives exactly this. The one bulky
+field is `lora_fills`: a LoRA adapter's weights (host tensors, immutable), sent once when a device
+slot takes it, so every rank fills its slot from the same bytes. Per-request
 state that lasts longer than a step lives with the runner: a request's `NewRequest` arrives
 with the first plan that schedules it, and its id appears in `finished_request_ids` once, in the
 first plan after it ended, so the runner drops its state.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.engine.lora import LoraAdapter
 from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.protocol import SamplingParams
 from service.util import cdiv
@@ -44,6 +47,7 @@ class StepPlan:
     slot_mapping: tuple[int, ...]  # [T] cache slot of each token: block * block_size + offset
     new_requests: tuple[NewRequest, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
+    lora_fills: tuple[tuple[int, LoraAdapter], ...] = ()  # (slot, adapter): fill before this step
 
     @property
     def num_sequences(self) -> int:
@@ -82,6 +86,7 @@ def build_plan(
     block_size: int,
     new_requests: tuple[NewRequest, ...] = (),
     finished_request_ids: tuple[str, ...] = (),
+    lora_fills: tuple[tuple[int, LoraAdapter], ...] = (),
 ) -> StepPlan:
     """Order decodes first and flatten tokens, positions and cache slots."""
     ordered = sorted(sequences, key=lambda s: s.num_tokens != 1)  # stable: order kept within groups
@@ -111,4 +116,5 @@ def build_plan(
         slot_mapping=tuple(slots),
         new_requests=new_requests,
         finished_request_ids=finished_request_ids,
+        lora_fills=lora_fills,
     )

@@ -267,7 +267,7 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
     pipe.send(("loaded", loaded.propose_blocks(config, setup.size)))
     blocks = pipe.recv()
     pool = KVPool(loaded.kv_spec, blocks, device)
-    runner = ModelRunner(loaded.model, pool, device, decode_kernel=loaded.decode_kernel)
+    runner = ModelRunner(loaded.model, pool, device, decode_kernel=loaded.decode_kernel, lora=loaded.lora)
     pipe.send(("ready",))
     torch.set_grad_enabled(False)
     with torch.inference_mode():
@@ -275,5 +275,6 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
             plan: StepPlan | None = pickle.loads(pipe.recv_bytes())
             if plan is None:
                 break
+            runner.fill_slots(plan)
             runner.forward(plan)
     dist.destroy_process_group()
