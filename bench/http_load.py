@@ -79,17 +79,19 @@ def percentile(values: list[float], q: float) -> float:
 async def run_once(args: argparse.Namespace, vocab: int) -> dict[str, float]:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    # Request i names models[i % len(models)] (LoRA adapters mixed round robin), else args.model.
+    models = getattr(args, "models", None) or [args.model]
+    queue: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
+    for i, p in enumerate(prompts):
+        queue.put_nowait((models[i % len(models)], p))
     results: list[Result] = []
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def worker() -> None:
             while not queue.empty():
-                prompt = queue.get_nowait()
-                results.append(await one_request(client, args.url, args.model, prompt, args.output_len))
+                model, prompt = queue.get_nowait()
+                results.append(await one_request(client, args.url, model, prompt, args.output_len))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))

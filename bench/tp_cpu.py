@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import http_load
+import nim_server
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden=1024, intermediate=4096, layers=12, heads=16, kv_heads=8, vocab=256)
@@ -102,42 +102,15 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def serve(checkpoint: Path, tp: int, port: int, log: Path, threads: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
-    env.update(
-        {
-            "NIM_MODEL_NAME": str(checkpoint),
-            "NIM_MODEL_PROFILE": f"torch-generic-bf16-tp{tp}-pp1-throughput",
-            "NIM_NUM_THREADS": str(threads),
-            "NIM_KV_CACHE_MAX_TOKENS": "65536",
-            "HF_HUB_OFFLINE": "1",
-        }
-    )
+    env = {
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_MODEL_PROFILE": f"torch-generic-bf16-tp{tp}-pp1-throughput",
+        "NIM_NUM_THREADS": str(threads),
+        "NIM_KV_CACHE_MAX_TOKENS": "65536",
+    }
     if tp > 1:
         env["NIM_TENSOR_PARALLEL_SIZE"] = str(tp)
-    command = [
-        sys.executable,
-        str(REPO / "entrypoint.py"),
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/v1/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server not ready after {timeout} s:\n{log.read_text()}")
+    return nim_server.start(env, port, log)
 
 
 def measure(tp: int, args: argparse.Namespace, checkpoint: Path, workdir: Path) -> dict:
@@ -147,7 +120,7 @@ def measure(tp: int, args: argparse.Namespace, checkpoint: Path, workdir: Path) 
     process = serve(checkpoint, tp, port, log, args.threads)
     started = time.monotonic()
     try:
-        wait_ready(url, process, log)
+        nim_server.wait_ready(url, process, log)
         ready_s = time.monotonic() - started
         results = {}
         for concurrency in args.concurrency:

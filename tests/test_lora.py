@@ -18,7 +18,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.engine.lora import AdapterError, LoraAdapter, projection_shape, read_adapter, scan_source
+from service.engine.lora import (
+    AdapterError,
+    LoraAdapter,
+    block_of,
+    projection_shape,
+    read_adapter,
+    scan_source,
+)
 from service.engine.models.config import ModelConfig
 from service.engine.models.lora_ops import NO_ADAPTER, LoraBatch, LoraStack
 
@@ -35,7 +42,6 @@ CONFIG = ModelConfig.from_hf_config(
         "max_position_embeddings": 256,
     }
 )
-BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 
 
 def write_adapter(
@@ -44,22 +50,24 @@ def write_adapter(
     rank: int = 4,
     alpha: float = 8.0,
     modules: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+    config: ModelConfig = CONFIG,
+    std: float = 0.1,
     **settings: object,
 ) -> Path:
+    """A random adapter for `config` in PEFT's saved layout (`settings` go into its config)."""
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(CONFIG.num_layers):
+    for layer in range(config.num_layers):
         for module in modules:
-            out_features, in_features = projection_shape(CONFIG, module)
-            block = BLOCKS.get(module, "mlp")
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.1
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.1
+            out_features, in_features = projection_shape(config, module)
+            prefix = f"base_model.model.model.layers.{layer}.{block_of(module)}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    config.update(settings)
-    (directory / "adapter_config.json").write_text(json.dumps(config))
+    saved = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
+    saved.update(settings)
+    (directory / "adapter_config.json").write_text(json.dumps(saved))
     return directory
 
 
@@ -182,12 +190,14 @@ def _piece(adapter: LoraAdapter, layer: int, module: str) -> tuple[torch.Tensor,
     return weights.a, weights.b, weights.scale
 
 
-def test_sequences_become_row_segments_grouped_by_slot() -> None:
+def test_sequences_become_rows_of_their_slots() -> None:
     batch = LoraBatch.from_sequences([1, NO_ADAPTER, 0, 1], [1, 3, 2, 2])
-    # rows: seq0 -> 0, seq1 -> 1-3, seq2 -> 4-5, seq3 -> 6-7
-    assert batch.rows.tolist() == [4, 5, 0, 6, 7]
-    assert batch.segments == ((0, 0, 2), (1, 2, 5))
-    assert LoraBatch.from_sequences([NO_ADAPTER], [4]).segments == ()
+    # rows: seq0 -> 0, seq1 -> 1-3 (base), seq2 -> 4-5, seq3 -> 6-7; present slots [0, 1]
+    assert batch.present.tolist() == [0, 1] and batch.segments == ((0, 2), (1, 3))
+    assert batch.onehot is not None
+    assert batch.onehot[:, :, 0].tolist() == [[0, 1], [0, 0], [0, 0], [0, 0], [1, 0], [1, 0], [0, 1], [0, 1]]
+    assert LoraBatch.from_sequences([2, 2], [3, 1]).onehot is None  # every row uses the one slot
+    assert LoraBatch.from_sequences([NO_ADAPTER], [4]).present.numel() == 0
 
 
 def test_rows_without_adapters_are_untouched_and_refilled_slots_forget(tmp_path: Path) -> None:

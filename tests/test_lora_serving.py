@@ -29,8 +29,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.lora import projection_shape
+from service.engine.lora import TARGETS, block_of, read_adapter
 from service.engine.models.config import ModelConfig
+from tests import test_lora
 from tests.conftest import ServerProcess
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import _checkpoint
@@ -42,7 +43,6 @@ TOKENS = 10
 ADAPTERS = ("sql", "chat.v2", "legal", "med")
 FP32 = {"NIM_MODEL_PROFILE": "torch-generic-fp32-tp1-pp1-throughput"}
 LONG = 400  # tokens: a request that outlasts an adapter's removal (~1 s here)
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -62,34 +62,19 @@ def _config(checkpoint: Path) -> ModelConfig:
 
 
 def write_adapter(
-    directory: Path, config: ModelConfig, seed: int, rank: int = 8, modules: tuple[str, ...] = MODULES
+    directory: Path, config: ModelConfig, seed: int, rank: int = 8
 ) -> dict[tuple[int, str], torch.Tensor]:
-    """A PEFT adapter in `directory`; returns each projection's merged delta scale * B @ A."""
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    alpha = 2.0 * rank
-    tensors, deltas = {}, {}
-    for layer in range(config.num_layers):
-        for module in modules:
-            out_features, in_features = projection_shape(config, module)
-            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            a = torch.randn(rank, in_features, generator=generator) * 0.15
-            b = torch.randn(out_features, rank, generator=generator) * 0.15
-            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
-            deltas[(layer, module)] = (alpha / rank) * (b @ a)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    (directory / "adapter_config.json").write_text(json.dumps(settings))
-    return deltas
+    """An adapter on all seven projections; returns each one's merged delta scale * B @ A."""
+    test_lora.write_adapter(directory, seed, rank, 2.0 * rank, TARGETS, config, std=0.15)
+    adapter = read_adapter(directory, directory.name, config, max_rank=64)
+    return {key: weights.delta() for key, weights in adapter.modules.items()}
 
 
 def _merged(checkpoint: Path, deltas: dict[tuple[int, str], torch.Tensor], directory: Path) -> Path:
     shutil.copytree(checkpoint, directory)
     tensors = load_file(checkpoint / "model.safetensors")
     for (layer, module), delta in deltas.items():
-        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        key = f"model.layers.{layer}.{block}.{module}.weight"
+        key = f"model.layers.{layer}.{block_of(module)}.{module}.weight"
         tensors[key] = (tensors[key].double() + delta.double()).float()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

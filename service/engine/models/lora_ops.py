@@ -1,22 +1,27 @@
 """Batched LoRA over a mixed batch: rows with different adapters, and rows with none, in one step.
 
 An adapted projection (one of the model's linear layers; a fused one such as qkv_proj covers
-several of the checkpoint's projections, its "parts", as row slices of its output) keeps every
+several of the checkpoint's projections, its "parts", as column blocks of its output) keeps every
 device slot's adapter in preallocated stacks, zero-padded to the largest rank R the engine serves
-(zero rows of A and columns of B add exact zeros):
+(zero rows of A and B^T add exact zeros):
 
-    a:       [S, P * R, in]     the parts' lora_A side by side (P parts)
-    b[p]:    [S, out_p, R]      part p's lora_B, its scale folded in
+    a:       [S, P * R, in]     the parts' lora_A, one above the other (P parts)
+    bt[p]:   [S, R, out_p]      part p's lora_B transposed, its scale folded in
 
-A step's rows are grouped by slot once (`LoraBatch`, shared by every layer); each projection then
-gathers the adapted rows, runs one shrink matmul per slot present in the step and one expand per
-part (a loop over adapters, never over rows), and adds the result to the base layer's output:
+The k slots a step uses and each row's slot are found once (`LoraBatch`, shared by every
+layer). Each projection then runs, whatever the mix of adapters:
 
-    out[row, part p] += (x[row] @ a[s].T)[:, p*R:(p+1)*R] @ b[p][s].T    for each row using slot s
+    shrunk = x @ a[present].T                [T, k * P * R]   one matmul against the k slots
+    shrunk *= onehot(row's slot)             zero every block but the row's own (all, for base rows)
+    out[:, part p] += shrunk[.., p] @ bt[p][present]          one matmul per part
 
-in the activation dtype, as the base layer computes (the weights are stored in it too: scale * B
-is rounded once when a slot is filled). The adapted layer equals the merged weight
-W + scale * B @ A up to that rounding.
+so a step costs one shrink and P expand matmuls per projection, never a loop over rows or slots
+(each row also meets the other present slots' weights, and base rows all of them, as exact zeros:
+work of the order of k * P * R / out of the base layer's, small at LoRA ranks; rows of the base
+model add exact zeros, so their output is unchanged bit for bit). The arithmetic runs in the
+stacks' dtype (float32 on the CPU, where small bfloat16 matmuls are several times slower; the
+activation dtype on GPUs) and is added to the base output with one rounding: the adapted layer
+equals the merged weight W + scale * B @ A up to that rounding and float summation order.
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ LoraPiece = tuple[Tensor, Tensor, float]
 class LoraBatch:
     """Which rows of a step's flat batch use which adapter slot."""
 
-    rows: Tensor  # [R] int64: the adapted rows, grouped by slot
-    segments: tuple[tuple[int, int, int], ...]  # (slot, start, stop): rows[start:stop] use slot
+    present: Tensor  # [k] int64: the slots in use, ascending
+    # [T, k, 1] float32: row i uses present[j]; rows of the base model are all zeros. None when
+    # every row uses the one slot present.
+    onehot: Tensor | None
+    segments: tuple[tuple[int, int], ...]  # (slot, rows using it), for logs and tests
 
     @classmethod
     def from_slots(cls, slots: Sequence[int], device: torch.device | None = None) -> LoraBatch:
@@ -50,18 +58,24 @@ class LoraBatch:
         cls, slots: Sequence[int], lengths: Sequence[int], device: torch.device | None = None
     ) -> LoraBatch:
         """Sequence i covers the next lengths[i] rows of the flat batch and uses slots[i]."""
-        by_slot: dict[int, list[int]] = {}
-        offset = 0
+        present = sorted({slot for slot in slots if slot != NO_ADAPTER})
+        position = {slot: j for j, slot in enumerate(present)}
+        counts = dict.fromkeys(present, 0)
+        row_slots: list[int] = []  # each row's index into present, or -1
         for slot, length in zip(slots, lengths, strict=True):
+            row_slots.extend([position.get(slot, -1)] * length)
             if slot != NO_ADAPTER:
-                by_slot.setdefault(slot, []).extend(range(offset, offset + length))
-            offset += length
-        rows: list[int] = []
-        segments = []
-        for slot in sorted(by_slot):
-            segments.append((slot, len(rows), len(rows) + len(by_slot[slot])))
-            rows.extend(by_slot[slot])
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), tuple(segments))
+                counts[slot] += length
+        onehot = None
+        if len(present) > 1 or -1 in row_slots:
+            index = torch.tensor(row_slots, dtype=torch.long)
+            onehot = (index[:, None] == torch.arange(len(present))[None, :]).float().unsqueeze(-1)
+            onehot = onehot.to(device)
+        return cls(
+            torch.tensor(present, dtype=torch.long, device=device),
+            onehot,
+            tuple((slot, counts[slot]) for slot in present),
+        )
 
 
 class LoraStack:
@@ -70,16 +84,17 @@ class LoraStack:
     def __init__(
         self,
         in_features: int,
-        parts: Sequence[tuple[str, int]],  # (checkpoint projection name, its output rows), in row order
+        parts: Sequence[tuple[str, int]],  # (checkpoint projection name, its output columns), in order
         num_slots: int,
         max_rank: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype,  # the compute dtype (see the module docstring)
         device: torch.device | None = None,
     ) -> None:
         self.parts = tuple(parts)
+        self.num_slots = num_slots
         self.max_rank = max_rank
         self.a = torch.zeros(num_slots, len(parts) * max_rank, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(num_slots, out, max_rank, dtype=dtype, device=device) for _, out in parts]
+        self.bt = [torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device) for _, out in parts]
         bounds, start = [], 0
         for _, out in parts:
             bounds.append((start, start + out))
@@ -89,7 +104,7 @@ class LoraStack:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
+        return sum(t.numel() * t.element_size() for t in (self.a, *self.bt))
 
     def fill(self, slot: int, pieces: Mapping[str, LoraPiece]) -> None:
         """Slot `slot` now holds these parts' weights (parts absent: zero, the base layer alone)."""
@@ -98,8 +113,8 @@ class LoraStack:
             raise ValueError(f"no part {sorted(unknown)} in this projection ({[n for n, _ in self.parts]})")
         self.a[slot].zero_()
         for index, (name, _) in enumerate(self.parts):
-            b = self.b[index][slot]
-            b.zero_()
+            bt = self.bt[index][slot]
+            bt.zero_()
             piece = pieces.get(name)
             if piece is None:
                 continue
@@ -109,23 +124,26 @@ class LoraStack:
                 raise ValueError(f"{name}: rank {rank} is above the slots' {self.max_rank}")
             first = index * self.max_rank
             self.a[slot, first : first + rank] = lora_a.to(self.a.dtype)
-            b[:, :rank] = (lora_b.float() * scale).to(b.dtype)
+            bt[:rank] = (lora_b.float().T * scale).to(bt.dtype)
 
     def apply(self, out: Tensor, x: Tensor, batch: LoraBatch) -> Tensor:
         """out [T, out] (the base layer's output for x [T, in]) plus each adapted row's LoRA
-        term, in place; returns out."""
-        if not batch.segments:
+        term, in place (rows of the base model add exact zeros); returns out."""
+        present = batch.present
+        k, num_parts, rank = present.shape[0], len(self.parts), self.max_rank
+        if k == 0:
             return out
-        rows = batch.rows
-        xs = x.index_select(0, rows)  # [R, in]
-        delta = torch.empty(rows.shape[0], self.out_features, dtype=out.dtype, device=out.device)
-        rank = self.max_rank
-        for slot, start, stop in batch.segments:
-            shrunk = xs[start:stop] @ self.a[slot].T  # [n, P * R]
-            for index, (first, last) in enumerate(self.columns):
-                part = shrunk[:, index * rank : (index + 1) * rank]
-                delta[start:stop, first:last] = part @ self.b[index][slot].T
-        return out.index_add_(0, rows, delta)
+        whole = k == self.num_slots  # every slot in use: no gather of the weights
+        a = self.a if whole else self.a.index_select(0, present)  # [k, P*R, in]
+        shrunk = (x.to(a.dtype) @ a.view(k * num_parts * rank, -1).T).view(-1, k, num_parts * rank)
+        if batch.onehot is not None:
+            shrunk.mul_(batch.onehot.to(shrunk.dtype))  # each row keeps its own slot's block
+        parts = shrunk.view(-1, k, num_parts, rank)
+        for index, (first, last) in enumerate(self.columns):
+            bt = self.bt[index] if whole else self.bt[index].index_select(0, present)  # [k, R, out_p]
+            delta = parts[:, :, index, :].reshape(-1, k * rank) @ bt.view(k * rank, -1)
+            out[:, first:last].add_(delta)  # in float32, rounded once into out's dtype
+        return out
 
 
 @dataclass

@@ -57,8 +57,9 @@ class LoraSlots:
         `layout`'s shard under tensor parallelism."""
         slots = cls(num_slots, max_rank, layout)
         config = model.config  # this rank's sizes
-        dtype = model.model.embed_tokens.weight.dtype
         device = model.model.embed_tokens.weight.device
+        # float32 on the CPU (small bfloat16 matmuls are slow there), the activation dtype on GPUs
+        dtype = torch.float32 if device.type == "cpu" else model.model.embed_tokens.weight.dtype
         sizes = {
             "q_proj": config.q_size,
             "k_proj": config.kv_size,
