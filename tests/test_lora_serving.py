@@ -6,6 +6,7 @@ this file writes in PEFT's layout. What is checked:
   W + scale * B @ A, served as a checkpoint of its own (float32: logprobs within 2e-3 nats);
 - four adapters and the base model, requested at once (one mixed batch), answer as each does
   alone; with fewer device slots than adapters, requests wait for a slot and answer the same;
+  over int8 and int4 weights (bf16 activations) adapters change the answers and mix alike;
 - /v1/models lists the adapters with the base model as parent; an unknown adapter is a 404 in
   OpenAI's shape; the gateway metric vllm:lora_requests_info and per-adapter counts are exported;
 - the prefix cache never shares blocks across adapters;
@@ -205,6 +206,47 @@ def test_two_ranks_serve_adapters_as_one(
     for job, (tokens, logprobs), (want_tokens, want_logprobs) in zip(jobs, sharded, alone, strict=True):
         assert tokens == want_tokens, job
         assert logprobs == pytest.approx(want_logprobs, abs=1e-3), job
+
+
+@pytest.mark.parametrize("precision", ["int8_wo", "int4_wo"])
+def test_adapters_run_over_quantized_weights(
+    checkpoint: Path, source: Path, tmp_path: Path, precision: str
+) -> None:
+    """bf16 activations over int8 / int4 weights: adapters change the answers, and a mixed batch
+    answers as each request alone (compared up to each answer's first near-tie, at least half)."""
+    env = {
+        "NIM_MODEL_PROFILE": f"torch-generic-{precision}-tp1-pp1-throughput",
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_MAX_LORA_RANK": "16",
+    }
+    jobs = [(model, prompt) for model in (NAME, *ADAPTERS[:3]) for prompt in PROMPTS[:2]]
+    with serving(tmp_path / "server.log", env) as server:
+        alone = [_with_margins(server, *job) for job in jobs]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(lambda job: _with_margins(server, *job), jobs))
+    assert len({json.dumps([t for t, _ in answer]) for answer in alone[::2]}) == 4  # adapters matter
+    compared = 0
+    for job, want, got in zip(jobs, alone, together, strict=True):
+        clear = next((i for i, (_, margin) in enumerate(want) if margin < 0.1), len(want))
+        assert [t for t, _ in got[:clear]] == [t for t, _ in want[:clear]], job
+        compared += clear
+    assert compared >= len(jobs) * TOKENS // 2
+
+
+def _with_margins(server: ServerProcess, model: str, prompt: str) -> list[tuple[str, float]]:
+    """Each greedy token and its margin over the runner-up (logprob difference)."""
+    out = _client(server).completions.create(
+        model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    steps = []
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        best, runner_up = sorted(top.values(), reverse=True)[:2]
+        steps.append((token, best - runner_up))
+    return steps
 
 
 def test_requests_wait_for_a_device_slot(checkpoint: Path, source: Path, tmp_path: Path) -> None:
