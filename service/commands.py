@@ -36,8 +36,10 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
     try:
         plan = make_plan(settings)
         selected, why = plan.profile.id, plan.selection.explanation[0]
+        # notes beside the choice (a profile skipped for its engine); not the per-profile table
+        notes = [line for line in plan.selection.explanation[1:] if not line.startswith(" ")]
     except ProfileError as exc:
-        selected, why = None, f"no profile selected: {exc}"
+        selected, why, notes = None, f"no profile selected: {exc}", []
     print(f"MODEL PROFILES ({manifest.model})")
     groups = [
         ("Compatible with system and runnable:", [v for v in verdicts if v.status == "compatible"]),
@@ -59,6 +61,8 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
     if explain:
         print("SELECTION")
         print(f"- {why}")
+        for note in notes:
+            print(f"- {note}")
         print("- ranking: native precision over emulated, TensorRT-LLM over torch, built for this GPU over")
         print("  generic, lower precision first,")
         order = "smallest" if settings.profile_type == "throughput" else "largest"

@@ -92,9 +92,9 @@ class Settings(BaseSettings):
         None,
         gt=0,
         le=100,
-        validation_alias=_env("NIM_KV_CACHE_PERCENT"),
+        validation_alias=AliasChoices("NIM_KV_CACHE_PERCENT", "NIM_KVCACHE_PERCENT"),
         description="Share of free memory (after weights) for the KV cache, as a fraction (0.9) or "
-        "percent (90); default 0.9 on CUDA, 0.1 on CPU.",
+        "percent (90); default 0.9 on CUDA, 0.1 on CPU. NIM 1.x's NIM_KVCACHE_PERCENT is read too.",
     )
     kv_cache_max_tokens: int | None = Field(
         None,

@@ -128,9 +128,11 @@ def _generic_for_checkpoint(
         raise ProfileError(str(error)) from error
     arch = _architecture(config)
     if quantized is None:
-        return generic_manifest(served, repo, arch, weights)
+        return generic_manifest(served, repo, arch, weights, trtllm_precisions=("bf16",))
     size_precision = quantized.precision if measured else "bf16"
-    return generic_manifest(served, repo, arch, weights, (quantized.precision,), size_precision)
+    own = (quantized.precision,)
+    trtllm = own if quantized.precision in ("fp8", "nvfp4") else ()  # ModelOpt: loaded as published
+    return generic_manifest(served, repo, arch, weights, own, size_precision, trtllm)
 
 
 def _store_manifest(store: dict, path: Path, manifests: list[Manifest]) -> Manifest:

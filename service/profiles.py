@@ -107,11 +107,17 @@ class Profile:
     weights_gb: float
     source: ArtifactSource
     lora_max_rank: int | None = None
+    # tensorrt_llm: build a TensorRT engine once (where the install can) and cache it in the model
+    # store, instead of loading the checkpoint on the PyTorch backend
+    trtllm_buildable: bool = False
 
     @cached_property
     def id(self) -> str:
         """SHA-256 of the canonical content: stable across runs, changes exactly when the profile does."""
-        content = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.trtllm_buildable:
+            del fields["trtllm_buildable"]  # profiles written before the field keep their ids
+        content = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(content.encode()).hexdigest()
 
     @property
@@ -132,6 +138,7 @@ class Profile:
             "kv_cache_dtype": self.kv_cache_dtype,
             "feat_lora": self.feat_lora,
             **({"feat_lora_max_rank": self.lora_max_rank} if self.feat_lora else {}),
+            **({"trtllm_buildable": True} if self.trtllm_buildable else {}),
         }
 
 
@@ -192,16 +199,21 @@ def generic_manifest(
     weights_bytes: int,
     precisions: tuple[str, ...] = GENERIC_PRECISIONS,
     bytes_precision: str = "bf16",
+    trtllm_precisions: tuple[str, ...] = (),
 ) -> Manifest:
     """Profiles for a model nobody wrote a manifest for: torch in bf16 (fp16, fp32 fallbacks), and
     fp8, int8_wo and int4_wo quantized from them at load; a quantized checkpoint gets profiles of
-    its own precision only (`precisions`). `weights_bytes` is the size in `bytes_precision`."""
+    its own precision only (`precisions`). `weights_bytes` is the size in `bytes_precision`.
+    Hugging Face checkpoints also get tensorrt_llm profiles (`trtllm_precisions`): its PyTorch
+    backend loads them as they are."""
     weights_gb = weights_bytes / 1e9 / WEIGHT_BYTES[bytes_precision]
     source = ArtifactSource(repo=repo, revision="main")
+    engines: list[tuple[Engine, str]] = [("tensorrt_llm", p) for p in trtllm_precisions]
+    engines += [("torch", p) for p in precisions]
     profiles = tuple(
         Profile(
             model=model,
-            llm_engine="torch",
+            llm_engine=engine,
             precision=precision,
             gpu="generic",
             tp=1,
@@ -212,7 +224,7 @@ def generic_manifest(
             weights_gb=round(weights_gb * WEIGHT_BYTES[precision], 3),
             source=source,
         )
-        for precision in precisions
+        for engine, precision in engines
     )
     return Manifest(model, (repo,), arch, profiles)
 
@@ -462,6 +474,21 @@ def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: st
     why = [
         f"selected {chosen.profile.name} ({chosen.profile.id[:12]}): {_why_first(chosen, runnable, system)}"
     ]
+    # A profile that would have won but for its engine missing from this image: say so once.
+    notes = dict(policy.engine_notes)
+    missing = [
+        v
+        for v in verdicts
+        if v.profile.llm_engine != chosen.profile.llm_engine
+        and v.profile.llm_engine in notes
+        and v.reasons == (notes[v.profile.llm_engine],)
+    ]
+    if missing:
+        engine = missing[0].profile.llm_engine
+        why.append(
+            f"{missing[0].profile.name} would run on this system, but {notes[engine]}: serving with "
+            f"{chosen.profile.llm_engine} instead"
+        )
     return Selection(chosen, verdicts, why + explain(verdicts))
 
 

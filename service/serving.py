@@ -78,6 +78,8 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         fused_kernels=settings.fused_kernels,
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
+        build_engine=profile.trtllm_buildable,
+        engine_cache_dir=settings.cache_path / "trtllm-engines" / profile.id,
     )
 
 

@@ -51,8 +51,12 @@ class ServerProcess:
 
 
 def start_server(
-    log_path: Path, env: dict[str, str] | None = None, args: list[str] | None = None
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+    unset: tuple[str, ...] = (),
 ) -> ServerProcess:
+    """The server on a free port with the test defaults, `env` over them, and `unset` removed."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
     full_env.update(
@@ -64,6 +68,8 @@ def start_server(
         }
     )
     full_env.update(env or {})
+    for name in unset:
+        full_env.pop(name, None)
     log_file = log_path.open("wb")
     process = subprocess.Popen(
         [

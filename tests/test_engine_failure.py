@@ -111,6 +111,8 @@ class DyingEngine:
 
     def abort(self, request_id: str) -> None: ...
 
+    def check(self, request: GenerationRequest) -> None: ...
+
     def stats(self) -> EngineStats:
         return EngineStats()
 

@@ -51,7 +51,7 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import Ready, ServiceState
-from service.engine.protocol import GenerationRequest, TokenLogprob
+from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.tokenizer import ChatTemplateError
 from service.tracing import annotate
 
@@ -89,6 +89,15 @@ async def _adapter_for(ready: Ready, model: str) -> str | None:
     except KeyError:
         raise model_not_found(model) from None
     return model
+
+
+def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
+    """400 for what the serving engine would refuse, before anything is admitted or streamed."""
+    for request in requests:
+        try:
+            ready.engine.check(request)
+        except RequestRefusedError as exc:
+            raise invalid_request(str(exc), None) from None
 
 
 @router.get("/models", response_model=ModelList)
@@ -145,6 +154,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter
     )
+    _check(ready, engine_requests)
     state.admit()
     if body.stream:
         return _sse(
@@ -248,6 +258,7 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter)
+    _check(ready, engine_requests)
     state.admit()
     if body.stream:
         return _sse(

@@ -99,3 +99,5 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere
+    build_engine: bool = False  # tensorrt_llm: build a TensorRT engine (cached) rather than load
+    engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines

@@ -141,6 +141,12 @@ class LoraStore:
         with self._lock:
             return sorted(self._known)
 
+    def path(self, name: str) -> Path | None:
+        """Where a served adapter's files are (None: not served)."""
+        with self._lock:
+            version = self._known.get(name)
+        return None if version is None else Path(version[0])
+
     def start_refreshing(self) -> None:
         """Rescan every `refresh_interval_s` on a thread of its own (no-op without an interval)."""
         if self.refresh_interval_s is None or self._refresher is not None:

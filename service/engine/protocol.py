@@ -197,6 +197,11 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop failed; requests cannot be served until the process restarts."""
 
 
+class RequestRefusedError(ValueError):
+    """The engine cannot run this request as asked (the message names the field and why); the API
+    answers 400 before anything is sent."""
+
+
 class Engine(Protocol):
     """An inference engine. `generate` may be called from the event loop thread only."""
 
@@ -218,6 +223,11 @@ class Engine(Protocol):
 
     async def stop(self) -> None:
         """Abort what is in flight and release resources."""
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestRefusedError for a request this engine would refuse (a parameter it cannot
+        honour, an adapter it does not serve); cheap, called by the API before generate."""
+        ...
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request; iterate its outputs until one with `finished=True`.

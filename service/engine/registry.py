@@ -69,9 +69,6 @@ ENGINES: dict[str, EngineEntry] = {
     ),
 }
 
-# Engines whose adapter is not part of this release yet, with the reason users are told.
-NOT_BUILT = {"tensorrt_llm": "this release has no TensorRT-LLM adapter yet"}
-
 
 @dataclass(frozen=True)
 class Availability:
@@ -86,8 +83,6 @@ def availability(name: str) -> Availability:
         return Availability(name, False, f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}")
     if entry.needs is not None and importlib.util.find_spec(entry.needs) is None:
         return Availability(name, False, f"{entry.needs} is not installed in this image")
-    if name in NOT_BUILT:
-        return Availability(name, False, f"{entry.needs} is installed, but {NOT_BUILT[name]}")
     return Availability(name, True)
 
 

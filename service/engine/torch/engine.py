@@ -53,6 +53,7 @@ from service.engine.protocol import (
     FinishReason,
     GenerationRequest,
     RequestOutput,
+    RequestRefusedError,
     SamplingParams,
     TokenLogprob,
 )
@@ -289,6 +290,13 @@ class TorchEngine:
     async def _stop_ranks(self) -> None:
         if self.tp_group is not None:
             await asyncio.to_thread(self.tp_group.shutdown)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Everything this engine is asked is validated by the API's field checks; adapters too."""
+        if request.adapter is not None and self.adapters is None:
+            raise RequestRefusedError(
+                f"LoRA adapter {request.adapter!r} requested, but this engine serves none"
+            )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()

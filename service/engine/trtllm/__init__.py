@@ -1,0 +1,150 @@
+"""The tensorrt_llm engine's entry in the registry: an EngineConfig in, a TrtllmEngine out.
+
+Imported only when a selected profile names tensorrt_llm; tensorrt_llm itself is imported here,
+lazily. What the profile and the environment ask for becomes the LLM's arguments (see
+`llm_kwargs`); a setting TensorRT-LLM cannot honour is refused at start in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.lora import read_adapter
+from service.engine.lora_store import LoraStore
+from service.engine.models.config import ModelConfig
+from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
+from service.engine.trtllm.api import TrtllmApi, TrtllmUnavailableError, import_api
+from service.engine.trtllm.engine import TrtllmEngine
+from service.engine.trtllm.engine_cache import load_or_build
+from service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# TensorRT-LLM's names for q/k/v/o and the MLP projections (its LoraConfig.lora_target_modules).
+_LORA_MODULES = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate")
+# KV cache dtypes the PyTorch backend's KvCacheConfig.dtype takes ("auto": the model's).
+_KV_DTYPES = {"auto": "auto", "fp8": "fp8"}
+
+
+def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None) -> LoadedEngine:
+    try:
+        api = import_api()
+    except TrtllmUnavailableError as exc:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {exc}") from exc
+    check_config(config, api)
+    model_config = ModelConfig.from_hf_config(json.loads((config.model_path / "config.json").read_text()))
+    tokenizer = Tokenizer.from_directory(config.model_path)
+    kwargs = llm_kwargs(config, api)
+    adapters = None
+    lora = config.lora
+    if lora is not None and lora.source is not None:
+        source = lora.source
+        adapters = LoraStore(
+            source=source,
+            reader=lambda path, name: read_adapter(path, name, model_config, lora.max_rank),
+            device_slots=lora.max_gpu_loras,
+            host_capacity=lora.max_cpu_loras,
+            refresh_interval_s=lora.refresh_interval_s,
+        )
+        result = adapters.refresh()
+        log.info("LoRA: %d adapter(s) from %s (%s)", len(result.added), source, ", ".join(result.added))
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    info = EngineInfo(
+        engine="tensorrt_llm",
+        architecture=model_config.architecture,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        weight_precision=config.precision,
+        precision_mode="native",
+        kv_cache_dtype=config.kv_cache.dtype if config.kv_cache.dtype != "auto" else "auto",
+        kv_block_size=kwargs["kv_cache_config"].tokens_per_block,
+        kv_num_blocks=0,  # known from TensorRT-LLM's stats once it runs
+        device="cuda:0",
+        tensor_parallel_size=config.tensor_parallel_size,
+        features=EngineFeatures(
+            logprobs=True,
+            prompt_logprobs=False,  # not offered through this adapter: refused with a 400
+            prefix_caching=config.kv_cache.enable_prefix_caching,
+            lora=adapters is not None,
+        ),
+        max_loras=config.lora.max_gpu_loras if adapters is not None and config.lora else 0,
+    )
+
+    def make_llm() -> Any:
+        return load_or_build(api, config, kwargs)
+
+    engine = TrtllmEngine(api, make_llm, info, adapters=adapters, on_fatal=on_fatal)
+    return LoadedEngine(engine=engine, info=info, tokenizer=tokenizer, adapters=adapters)
+
+
+def check_config(config: EngineConfig, api: TrtllmApi) -> None:
+    """Refuse what TensorRT-LLM cannot honour, in one line each."""
+
+    def refuse(why: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(f"profile {config.profile_name} (tensorrt_llm): {why}")
+
+    if config.model_format != "hf_dir":
+        raise refuse("TensorRT-LLM loads Hugging Face checkpoint directories, not GGUF files")
+    if config.device == "cpu":
+        raise refuse("TensorRT-LLM runs on NVIDIA GPUs only; unset NIM_DEVICE=cpu or choose a torch profile")
+    if config.kv_cache.dtype not in _KV_DTYPES:
+        raise refuse(f"NIM_KV_CACHE_DTYPE={config.kv_cache.dtype}: its KV cache is the model's dtype or fp8")
+    if config.fused_kernels:
+        raise refuse("NIM_FUSED_KERNELS applies to the torch engine; unset it")
+    if config.num_threads is not None:
+        raise refuse("NIM_NUM_THREADS applies to the torch engine on the CPU; unset it")
+    if config.collective_timeout_s is not None:
+        raise refuse("NIM_COLLECTIVE_TIMEOUT_SECONDS applies to the torch engine; unset it")
+    if config.lora is not None and config.lora.source is None:
+        raise refuse("a LoRA profile needs NIM_PEFT_SOURCE")
+    if config.lora is not None and api.LoraConfig is None:
+        raise refuse(f"tensorrt_llm {api.version} has no LoraConfig this adapter can find")
+    if config.build_engine and config.kv_cache.dtype == "fp8":
+        raise refuse("an fp8 KV cache in a built engine needs a quantization config; use the PyTorch backend")
+    if config.build_engine and not api.can_build_engines:
+        raise refuse(
+            f"the profile asks for a built TensorRT engine, but tensorrt_llm {api.version} cannot build "
+            "engines (tensorrt_llm._tensorrt_engine is gone from 1.3 on); choose its PyTorch-backend profile"
+        )
+
+
+def llm_kwargs(config: EngineConfig, api: TrtllmApi) -> dict[str, Any]:
+    """The LLM's keyword arguments (everything but the model path), from the profile and settings."""
+    kv = config.kv_cache
+    kv_config: dict[str, Any] = {
+        "enable_block_reuse": kv.enable_prefix_caching,
+        "dtype": _KV_DTYPES[kv.dtype],
+    }
+    if kv.memory_fraction is not None:
+        kv_config["free_gpu_memory_fraction"] = kv.memory_fraction
+    if kv.max_tokens is not None:
+        kv_config["max_tokens"] = kv.max_tokens
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
+        "dtype": config.dtype,  # the profile's (bf16 / fp16), or auto: the checkpoint's
+        "trust_remote_code": False,  # never: only architectures TensorRT-LLM ships run
+        "max_batch_size": config.scheduler.max_num_seqs,
+        "max_num_tokens": config.scheduler.max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+        "kv_cache_config": api.KvCacheConfig(**kv_config),
+        "enable_iter_perf_stats": True,  # the metrics read its iteration stats
+    }
+    if config.max_model_len is not None:
+        kwargs["max_seq_len"] = config.max_model_len
+    if config.enforce_eager:
+        kwargs["cuda_graph_config"] = None  # no CUDA graphs (debugging)
+    if config.lora is not None and api.LoraConfig is not None:
+        lora = config.lora
+        kwargs["lora_config"] = api.LoraConfig(
+            lora_dir=[],  # adapters arrive per request (LoRARequest with their path)
+            max_lora_rank=lora.max_rank,
+            max_loras=lora.max_gpu_loras,
+            max_cpu_loras=lora.max_cpu_loras,
+            lora_target_modules=list(_LORA_MODULES),
+        )
+    return kwargs

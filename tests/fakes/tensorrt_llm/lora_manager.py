@@ -1,0 +1,3 @@
+from tensorrt_llm._double import LoraConfig
+
+__all__ = ["LoraConfig"]
