@@ -20,7 +20,7 @@ COPY profiles ./profiles
 # The runtime dependencies as a requirements file: the targets install them in a layer of their
 # own, which stays cached while only the code changes.
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
-    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['otel'], sep='\n')" > /dist/requirements.txt
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['otel'], *p['optional-dependencies']['structured'], sep='\n')" > /dist/requirements.txt
 
 # --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base

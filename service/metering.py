@@ -177,8 +177,8 @@ class MeteredEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def check(self, request: GenerationRequest) -> None:
-        self.engine.check(request)
+    async def check(self, request: GenerationRequest) -> None:
+        await self.engine.check(request)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         progress = _Progress(arrival_time=request.arrival_time or time.monotonic())

@@ -79,6 +79,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,
+        guided_decoding_backend=settings.guided_decoding_backend,
         engine_cache_dir=settings.cache_path / "trtllm-engines" / profile.id,
     )
 

@@ -72,7 +72,12 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 10}, "min_tokens"),
         ({"stop_token_ids": [99999999]}, "stop_token_ids"),
-        ({"nvext": {"guided_json": {}}}, "nvext"),
+        ({"nvext": {"guided_json": "{not json"}}, "nvext.guided_json"),
+        ({"nvext": {"guided_whitespace_pattern": " "}}, "nvext.guided_whitespace_pattern"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "nvext": {"guided_choice": ["x"]}}, "nvext.guided_choice"),
     ],
 )
 def test_invalid_chat_parameters_are_400(http: httpx.Client, patch: dict, param: str) -> None:

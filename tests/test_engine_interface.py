@@ -239,7 +239,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def check(self, request: GenerationRequest) -> None: ...
+    async def check(self, request: GenerationRequest) -> None: ...
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
-from service.engine.protocol import GenerationRequest, RequestRefusedError, SamplingParams
+from service.engine.protocol import GenerationRequest, GuidedDecoding, RequestRefusedError, SamplingParams
 from tests.conftest import start_server, wait_ready
 from tests.test_cli import run_cli
 from tests.test_quantization import _byte_level_tokenizer
@@ -172,6 +172,16 @@ def test_sampling_fields_map_one_by_one(double: Path) -> None:
     assert plain.top_k is plain.min_p is plain.repetition_penalty is plain.presence_penalty is None
     assert to_trtllm(api, SamplingParams(max_tokens=1, logprobs=0), 256).logprobs == 1
 
+    # structured output: GuidedDecodingParams, one guide each
+    def guide(kind: str, spec: str = "") -> object:
+        return to_trtllm(
+            api, SamplingParams(max_tokens=1, guided=GuidedDecoding(kind, spec)), 256
+        ).guided_decoding
+
+    assert guide("json_schema", '{"type": "object"}').json == '{"type": "object"}'
+    assert guide("choice", '["a", "b"]').grammar == 'root ::= "a" | "b"'
+    assert guide("json_object").json_object and guide("regex", "a+").regex == "a+"
+
 
 # --- serving in process ------------------------------------------------------------------------------
 
@@ -262,9 +272,9 @@ def test_parameters_tensorrt_llm_refuses_are_a_request_error(
 ) -> None:
     engine = _engine(checkpoint, tmp_path)
     with pytest.raises(RequestRefusedError, match="prompt logprobs"):
-        engine.check(_request([65], prompt_logprobs=1))
+        asyncio.run(engine.check(_request([65], prompt_logprobs=1)))
     with pytest.raises(RequestRefusedError, match="serves none"):
-        engine.check(replace(_request([65]), adapter="x"))
+        asyncio.run(engine.check(replace(_request([65]), adapter="x")))
 
 
 # --- built engines --------------------------------------------------------------------------------

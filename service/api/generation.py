@@ -22,6 +22,7 @@ from service.engine.protocol import (
     EngineDeadError,
     EngineFeatures,
     GenerationRequest,
+    GuidedDecoding,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
@@ -86,7 +87,12 @@ class LogprobRequest:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens: int, choice: int, vocab_size: int, logprobs: LogprobRequest
+    request: SamplingFields,
+    max_tokens: int,
+    choice: int,
+    vocab_size: int,
+    logprobs: LogprobRequest,
+    guided: GuidedDecoding | None = None,
 ) -> SamplingParams:
     """Map OpenAI/vLLM/nvext fields onto engine parameters; 400 for values the model cannot take."""
     nvext = request.nvext
@@ -123,15 +129,13 @@ def sampling_params(
         logprobs=logprobs.sampled,
         prompt_logprobs=logprobs.prompt,
         skip_special_tokens=request.skip_special_tokens,
+        guided=guided,
     )
 
 
 def reject_unsupported(request: SamplingFields) -> None:
-    """Known fields this server does not implement yet: refuse rather than ignore."""
-    if request.nvext is not None:
-        guided = [k for k in (request.nvext.model_extra or {}) if k.startswith("guided_")]
-        if guided:
-            raise invalid_request(f"nvext.{guided[0]} (structured output) is not supported yet", "nvext")
+    """Known fields this server does not implement yet: refuse rather than ignore (structured
+    output fields are read by service.api.guided, which refuses what it does not take)."""
 
 
 @dataclass
@@ -282,6 +286,7 @@ def build_requests(
     vocab_size: int,
     logprobs: LogprobRequest,
     adapter: str | None = None,
+    guided: GuidedDecoding | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice); choice index = prompt_index * n + j; all run
     `adapter` (a LoRA adapter's name) or the base model."""
@@ -291,7 +296,7 @@ def build_requests(
         GenerationRequest(
             request_id=f"{request_id}-{unique}-{p * request.n + j}",
             prompt_token_ids=prompt,
-            sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs),
+            sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs, guided),
             arrival_time=now,
             adapter=adapter,
         )

@@ -29,6 +29,7 @@ from service.api.generation import (
     timed_out,
     usage,
 )
+from service.api.guided import guided_decoding
 from service.api.logprobs import chat_logprobs, completion_logprobs
 from service.api.schemas import (
     ChatChoice,
@@ -91,11 +92,11 @@ async def _adapter_for(ready: Ready, model: str) -> str | None:
     return model
 
 
-def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
+async def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
     """400 for what the serving engine would refuse, before anything is admitted or streamed."""
     for request in requests:
         try:
-            ready.engine.check(request)
+            await ready.engine.check(request)
         except RequestRefusedError as exc:
             raise invalid_request(str(exc), None) from None
 
@@ -128,8 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     reject_unsupported(body)
     if body.tools and body.tool_choice != "none":
         raise invalid_request("tool calling is not supported by this server yet", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid_request("response_format other than text is not supported yet", "response_format")
+    guided = guided_decoding(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -152,9 +152,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     engine_requests = build_requests(
-        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter
+        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided
     )
-    _check(ready, engine_requests)
+    await _check(ready, engine_requests)
     state.admit()
     if body.stream:
         return _sse(
@@ -257,8 +257,9 @@ async def completions(body: CompletionRequest, request: Request):
     )
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
-    engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter)
-    _check(ready, engine_requests)
+    guided = guided_decoding(body)
+    engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter, guided)
+    await _check(ready, engine_requests)
     state.admit()
     if body.stream:
         return _sse(

@@ -100,4 +100,5 @@ class EngineConfig:
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere
     build_engine: bool = False  # tensorrt_llm: build a TensorRT engine (cached) rather than load
+    guided_decoding_backend: str | None = None  # NIM_GUIDED_DECODING_BACKEND; None: the engine's own
     engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines

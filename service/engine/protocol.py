@@ -15,6 +15,16 @@ from typing import Literal, Protocol
 from service.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Output constrained to a language: a JSON schema, any JSON object, a regex, one of a list of
+    strings, or an EBNF grammar (GBNF style, as xgrammar and llama.cpp read it)."""
+
+    kind: GuidedKind
+    spec: str = ""  # the schema as JSON, the regex, the grammar, or the choices as a JSON array
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's plus n alternatives
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None  # structured output; None: unconstrained
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -224,9 +235,10 @@ class Engine(Protocol):
     async def stop(self) -> None:
         """Abort what is in flight and release resources."""
 
-    def check(self, request: GenerationRequest) -> None:
+    async def check(self, request: GenerationRequest) -> None:
         """Raise RequestRefusedError for a request this engine would refuse (a parameter it cannot
-        honour, an adapter it does not serve); cheap, called by the API before generate."""
+        honour, an adapter it does not serve, a grammar that does not compile); called by the API
+        before generate, and where it compiles a grammar it does so off the event loop."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:

@@ -59,6 +59,7 @@ from service.engine.protocol import (
 )
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
+from service.engine.torch.guided import GrammarCompiler, GrammarError
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 from service.engine.torch.lora_slots import LoraSlots
@@ -172,6 +173,8 @@ class TorchEngine:
         adapters: LoraStore | None = None,
         lora_slots: LoraSlots | None = None,
     ) -> None:
+        """The engine serves structured output when `info.features.guided_decoding` says so (its
+        grammar compiler is made on first use)."""
         if (adapters is None) != (lora_slots is None):
             raise ValueError("LoRA needs both the adapter store and the model's slots")
         self.model = model
@@ -201,7 +204,10 @@ class TorchEngine:
             config.decode_kernel,
             followers=tp_group,
             lora=lora_slots,
+            grammars=self._grammar_compiler if info.features.guided_decoding else None,
         )
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._slot_waiting: list[str] = []  # requests waiting for a LoRA slot, in arrival order
         # Reads adapters evicted from host memory since the API prepared them, off this thread.
         self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
@@ -291,12 +297,35 @@ class TorchEngine:
         if self.tp_group is not None:
             await asyncio.to_thread(self.tp_group.shutdown)
 
-    def check(self, request: GenerationRequest) -> None:
-        """Everything this engine is asked is validated by the API's field checks; adapters too."""
+    async def check(self, request: GenerationRequest) -> None:
+        """The API has validated the sampling fields; what is left is the adapter and the grammar,
+        which is compiled here, on a worker thread (and cached for the step that needs it)."""
         if request.adapter is not None and self.adapters is None:
             raise RequestRefusedError(
                 f"LoRA adapter {request.adapter!r} requested, but this engine serves none"
             )
+        guided, sampling = request.sampling.guided, request.sampling
+        if guided is None:
+            return
+        if not self._info.features.guided_decoding:
+            raise RequestRefusedError(
+                "structured output (response_format, guided_*) needs xgrammar, which this server lacks"
+            )
+        if sampling.ignore_eos or sampling.min_tokens:
+            field = "ignore_eos" if sampling.ignore_eos else "min_tokens"
+            raise RequestRefusedError(
+                f"{field} cannot be combined with structured output: the grammar decides the end"
+            )
+        try:
+            await asyncio.to_thread(lambda: self._grammar_compiler().compile(guided))
+        except GrammarError as exc:
+            raise RequestRefusedError(str(exc)) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            return self._grammars
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()

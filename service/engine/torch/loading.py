@@ -31,6 +31,7 @@ from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLay
 from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.torch.engine import TorchEngine, TorchEngineConfig
+from service.engine.torch.guided import xgrammar_available
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.tp_group import RankSetup, TPGroup
@@ -54,6 +55,22 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     """The registry's hook: load weights and tokenizer (blocking: call from a worker thread)."""
     engine = build_engine(config, on_fatal)
     return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer, adapters=engine.adapters)
+
+
+def check_guided(config: EngineConfig) -> None:
+    """NIM_GUIDED_DECODING_BACKEND: xgrammar is this engine's; it must be installed when named."""
+    backend = config.guided_decoding_backend
+    if backend is None:
+        return
+    if backend != "xgrammar":
+        raise UnsupportedConfigError(
+            f"NIM_GUIDED_DECODING_BACKEND={backend}: the torch engine constrains output with xgrammar only"
+        )
+    if not xgrammar_available():
+        raise UnsupportedConfigError(
+            "NIM_GUIDED_DECODING_BACKEND=xgrammar, but xgrammar is not installed "
+            "(pip install 'nim-torch[structured]')"
+        )
 
 
 def check_lora(config: EngineConfig) -> None:
@@ -239,6 +256,7 @@ def build_engine(
 ) -> TorchEngine:
     device, dtype = resolve_device(config)
     check_lora(config)
+    check_guided(config)
     size = config.tensor_parallel_size
     threads = config.num_threads or available_cpu_count()
     if device.type == "cpu":
@@ -301,7 +319,9 @@ def build_engine(
         device=str(device),
         tensor_parallel_size=size,
         features=EngineFeatures(
-            prefix_caching=config.kv_cache.enable_prefix_caching, lora=adapters is not None
+            prefix_caching=config.kv_cache.enable_prefix_caching,
+            lora=adapters is not None,
+            guided_decoding=xgrammar_available(),
         ),
         max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
     )

@@ -7,6 +7,7 @@ arrives in the plan, so it could run in another process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import torch
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.protocol import TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
+from service.engine.torch.guided import GrammarCompiler, GuidedRow
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import (
@@ -43,6 +45,7 @@ class _RowState:
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)  # prompt + sampled so far
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned
+    guided: GuidedRow | None = None  # its place in its grammar (structured output)
 
     def row(self) -> SamplingRow:
         return SamplingRow(
@@ -73,6 +76,7 @@ class ModelRunner:
         decode_kernel: bool = False,
         followers: Followers | None = None,
         lora: LoraSlots | None = None,
+        grammars: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         if followers is not None and decode_graphs is not None:
             raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
@@ -83,6 +87,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.lora = lora  # the model's adapter slots, when it serves LoRA adapters
+        self.grammars = grammars  # structured output: the compiler (its grammars compiled already)
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' (attention masks too)
         self.block_size = pool.spec.block_size
         config = model.config
@@ -104,9 +109,11 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
         for new in plan.new_requests:
-            self._rows[new.request_id] = _RowState(
-                new, make_generator(new.sampling, self.device), list(new.prompt_token_ids)
-            )
+            state = _RowState(new, make_generator(new.sampling, self.device), list(new.prompt_token_ids))
+            if new.sampling.guided is not None:
+                assert self.grammars is not None, "a constrained request reached an engine without grammars"
+                state.guided = self.grammars().matcher(new.sampling.guided)
+            self._rows[new.request_id] = state
         if not plan.request_ids:
             return StepResult([], {})
         if self.decode_graphs is not None and not plan.adapted and self.decode_graphs.can_run(plan):
@@ -124,10 +131,27 @@ class ModelRunner:
         rows = [spans[i][1] - 1 for i in sampling]
         states = [self._rows[plan.request_ids[i]] for i in sampling]
         picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        self._constrain(picked, states)
         sampled = sample(picked, [state.row() for state in states])
         for state, token in zip(states, sampled, strict=True):
             state.token_ids.append(token.token_id)
+            if state.guided is not None:
+                state.guided.accept(token.token_id)
         return StepResult(sampled, prompt_logprobs)
+
+    def _constrain(self, logits: torch.Tensor, states: list[_RowState]) -> None:
+        """Mask the constrained rows of logits [R, V] to the tokens their grammars allow."""
+        constrained = [j for j, state in enumerate(states) if state.guided is not None]
+        if not constrained:
+            return
+        assert self.grammars is not None
+        grammars = self.grammars()
+        bitmask = grammars.bitmask(len(states))
+        for j in constrained:
+            guided = states[j].guided
+            assert guided is not None
+            guided.fill(bitmask, j)
+        grammars.apply(logits, bitmask, constrained)
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """One eager forward pass; the logits of the rows that need them, and each sequence's span.

@@ -70,6 +70,7 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
             prompt_logprobs=False,  # not offered through this adapter: refused with a 400
             prefix_caching=config.kv_cache.enable_prefix_caching,
             lora=adapters is not None,
+            guided_decoding=api.GuidedDecodingParams is not None,
         ),
         max_loras=config.lora.max_gpu_loras if adapters is not None and config.lora else 0,
     )
@@ -93,6 +94,10 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("TensorRT-LLM runs on NVIDIA GPUs only; unset NIM_DEVICE=cpu or choose a torch profile")
     if config.kv_cache.dtype not in _KV_DTYPES:
         raise refuse(f"NIM_KV_CACHE_DTYPE={config.kv_cache.dtype}: its KV cache is the model's dtype or fp8")
+    if config.guided_decoding_backend not in (None, "xgrammar", "llguidance"):
+        raise refuse(
+            f"NIM_GUIDED_DECODING_BACKEND={config.guided_decoding_backend}: it takes xgrammar or llguidance"
+        )
     if config.fused_kernels:
         raise refuse("NIM_FUSED_KERNELS applies to the torch engine; unset it")
     if config.num_threads is not None:
@@ -136,6 +141,8 @@ def llm_kwargs(config: EngineConfig, api: TrtllmApi) -> dict[str, Any]:
     }
     if config.max_model_len is not None:
         kwargs["max_seq_len"] = config.max_model_len
+    if api.GuidedDecodingParams is not None:  # structured output, as the request asks
+        kwargs["guided_decoding_backend"] = config.guided_decoding_backend or "xgrammar"
     if config.enforce_eager:
         kwargs["cuda_graph_config"] = None  # no CUDA graphs (debugging)
     if config.lora is not None and api.LoraConfig is not None:

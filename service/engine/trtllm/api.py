@@ -29,6 +29,7 @@ class TrtllmApi:
     LoraConfig: Any | None  # None: this install serves no LoRA
     EngineLLM: Any | None  # tensorrt_llm._tensorrt_engine.LLM: engines can be built and saved
     BuildConfig: Any | None
+    GuidedDecodingParams: Any | None  # None: no structured output through this install
 
     @property
     def can_build_engines(self) -> bool:
@@ -57,6 +58,7 @@ def import_api() -> TrtllmApi:
             or _optional("tensorrt_llm.lora_manager", "LoraConfig"),
             EngineLLM=_optional("tensorrt_llm._tensorrt_engine", "LLM"),
             BuildConfig=_optional("tensorrt_llm.llmapi", "BuildConfig"),
+            GuidedDecodingParams=_optional("tensorrt_llm.llmapi", "GuidedDecodingParams"),
         )
     except (ImportError, AttributeError) as exc:
         raise TrtllmUnavailableError(

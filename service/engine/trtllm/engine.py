@@ -97,7 +97,7 @@ class TrtllmEngine:
         if self.llm is not None:
             await asyncio.to_thread(self.llm.shutdown)
 
-    def check(self, request: GenerationRequest) -> None:
+    async def check(self, request: GenerationRequest) -> None:
         self._sampling(request)
         if request.adapter is not None:
             self._lora_request(request.adapter)

@@ -7,16 +7,19 @@ at their neutral values) is unset; logit_bias becomes a dense `embedding_bias` o
 TensorRT-LLM's `logprobs=k` returns the k most likely tokens per position (with the sampled one),
 so the sampled token's logprob alone still asks for 1. Each request is one sequence (the API fans
 out `n` choices itself). Prompt logprobs are not offered by this engine (EngineFeatures), so the
-API refuses them before they reach here.
+API refuses them before they reach here. Structured output becomes GuidedDecodingParams (json,
+json_object, regex, grammar; a choice list as a grammar of alternatives), run by the backend
+the LLM was built with (guided_decoding_backend).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
-from service.engine.protocol import SamplingParams, TokenLogprob
+from service.engine.protocol import GuidedDecoding, SamplingParams, TokenLogprob
 from service.engine.trtllm.api import TrtllmApi
 
 
@@ -46,12 +49,29 @@ def to_trtllm(api: TrtllmApi, params: SamplingParams, vocab_size: int) -> Any:
         kwargs["top_p"] = params.top_p
         kwargs["top_k"] = params.top_k if params.top_k > 0 else None
         kwargs["min_p"] = params.min_p or None
+    if params.guided is not None:
+        kwargs["guided_decoding"] = _guided(api, params.guided)
     if params.logit_bias:
         bias = torch.zeros(vocab_size, dtype=torch.float32)
         for token, value in params.logit_bias.items():
             bias[token] = value
         kwargs["embedding_bias"] = bias
     return api.SamplingParams(**kwargs)
+
+
+def _guided(api: TrtllmApi, guided: GuidedDecoding) -> Any:
+    if api.GuidedDecodingParams is None:
+        raise ValueError("structured output: this tensorrt_llm has no GuidedDecodingParams")
+    if guided.kind == "json_schema":
+        return api.GuidedDecodingParams(json=guided.spec)
+    if guided.kind == "json_object":
+        return api.GuidedDecodingParams(json_object=True)
+    if guided.kind == "regex":
+        return api.GuidedDecodingParams(regex=guided.spec)
+    if guided.kind == "choice":
+        alternatives = " | ".join(json.dumps(choice) for choice in json.loads(guided.spec))
+        return api.GuidedDecodingParams(grammar=f"root ::= {alternatives}")
+    return api.GuidedDecodingParams(grammar=guided.spec)
 
 
 def token_logprob(token_id: int, entry: dict[int, Any], top_n: int) -> TokenLogprob:

@@ -88,6 +88,7 @@ class SamplingParams:
     detokenize: bool = True
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.pad_id is None:
@@ -103,6 +104,20 @@ class SamplingParams:
             raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
         self.logprobs = self.logprobs and int(self.logprobs)
         self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {given}.")
 
 
 class RequestError(RuntimeError):

@@ -1,0 +1,87 @@
+"""Structured-output fields of a request, from wherever clients put them, as one GuidedDecoding.
+
+Accepted: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `schema`; `strict`
+or not, the schema is enforced), NIM's `nvext.guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`, and the same four at the top level as vLLM takes them. At most one may be given;
+other `guided_*` fields (vLLM's `guided_decoding_backend`, `guided_whitespace_pattern`) are refused
+rather than ignored. Whether the spec compiles is the engine's check (a 400 naming the problem).
+Schemas keep the client's property order: it is the order the answer's keys come in.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from service.api.errors import invalid_request
+from service.api.schemas import SamplingFields
+from service.engine.protocol import GuidedDecoding
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_decoding(body: SamplingFields) -> GuidedDecoding | None:
+    found: list[tuple[str, GuidedDecoding]] = []
+    extras = dict(body.model_extra or {})
+    response_format = getattr(body, "response_format", None) or extras.pop("response_format", None)
+    if response_format is not None:
+        parsed = _response_format(response_format)
+        if parsed is not None:
+            found.append(("response_format", parsed))
+    nvext_extras = dict(body.nvext.model_extra or {}) if body.nvext is not None else {}
+    for prefix, fields in (("", extras), ("nvext.", nvext_extras)):
+        for key, value in fields.items():
+            if not key.startswith("guided_"):
+                continue
+            name = prefix + key
+            if key not in GUIDED_FIELDS:
+                raise invalid_request(
+                    f"{name} is not supported (the server chooses the grammar backend)", name
+                )
+            if value is not None:
+                found.append((name, _guided_field(name, key, value)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise invalid_request(f"give one structured-output constraint, not several ({names})", found[1][0])
+    return found[0][1] if found else None
+
+
+def _response_format(value: Any) -> GuidedDecoding | None:
+    param = "response_format"
+    if not isinstance(value, dict):
+        raise invalid_request("response_format must be an object with a type", param)
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecoding("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid_request(
+                "response_format json_schema needs json_schema.schema, a JSON schema object", param
+            )
+        return GuidedDecoding("json_schema", json.dumps(spec["schema"]))
+    raise invalid_request(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema", param
+    )
+
+
+def _guided_field(name: str, key: str, value: Any) -> GuidedDecoding:
+    if key == "guided_json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except ValueError as exc:
+                raise invalid_request(f"{name} is not valid JSON: {exc}", name) from None
+        if not isinstance(schema, dict):
+            raise invalid_request(f"{name} must be a JSON schema object", name)
+        return GuidedDecoding("json_schema", json.dumps(schema))
+    if key == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid_request(f"{name} must be a non-empty list of non-empty strings", name)
+        return GuidedDecoding("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise invalid_request(f"{name} must be a non-empty string", name)
+    return GuidedDecoding("regex" if key == "guided_regex" else "grammar", value)
