@@ -253,6 +253,16 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None,
+        validation_alias=_env("NIM_TOOL_CALL_PARSER"),
+        description="The model's tool-call format; unset = recognised from its chat template.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        True,
+        validation_alias=_env("NIM_ENABLE_AUTO_TOOL_CHOICE"),
+        description="0: tool_choice auto is refused (400); required and named calls still work.",
+    )
     guided_decoding_backend: Literal["xgrammar", "llguidance", "outlines", "lm-format-enforcer"] | None = (
         Field(
             None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from service.api.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -52,6 +54,7 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import Ready, ServiceState
+from service.api.tools import ToolSpec, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.tokenizer import ChatTemplateError
 from service.tracing import annotate
@@ -101,6 +104,29 @@ async def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
             raise invalid_request(str(exc), None) from None
 
 
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: tool calls (arguments as objects) and tool results too."""
+    extra = message.model_extra or {}
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.role == "tool" and extra.get("tool_call_id"):
+        out["tool_call_id"] = extra["tool_call_id"]
+    calls = extra.get("tool_calls")
+    if message.role == "assistant" and isinstance(calls, list):
+        out["tool_calls"] = [_template_call(call) for call in calls if isinstance(call, dict)]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(arguments)
+    return {**call, "type": call.get("type", "function"), "function": function}
+
+
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
@@ -127,17 +153,29 @@ async def list_models(request: Request) -> ModelList:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
     reject_unsupported(body)
-    if body.tools and body.tool_choice != "none":
-        raise invalid_request("tool calling is not supported by this server yet", "tools")
+    limits = _state(request).limits
+    templates = ready.tokenizer.templates
+    tools = tool_spec(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        templates.get("tool_use") or templates.get("default"),
+        limits.tool_call_parser,
+        limits.auto_tool_choice,
+    )
     guided = guided_decoding(body)
+    if tools is not None and tools.forced:
+        if guided is not None:
+            raise invalid_request("tool_choice required or named cannot be combined with response_format",
+                                  "tool_choice")  # fmt: skip
+        guided = tools.guided()
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-    ]
+    messages = [_template_message(m) for m in body.messages]
     try:
-        prompt_text = ready.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        extra = {"tools": body.tools} if tools is not None else {}
+        prompt_text = ready.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
     prompt = ready.tokenizer.encode(prompt_text, add_special_tokens=False)
@@ -159,7 +197,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         return _sse(
             _chat_stream(
-                ready, body, request_id, engine_requests, len(prompt), state.limits.always_include_usage
+                ready,
+                body,
+                request_id,
+                engine_requests,
+                len(prompt),
+                state.limits.always_include_usage,
+                tools,
             ),
             state,
         )
@@ -167,15 +211,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         results = await collect(ready.engine, engine_requests, state.limits.request_timeout_seconds)
     finally:
         state.release()
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ResponseMessage(content=r.text),
-            finish_reason=r.finish_reason,
-            logprobs=chat_logprobs(ready.tokenizer, r.logprobs) if body.logprobs else None,
-        )
-        for i, r in enumerate(results)
-    ]
+    choices = []
+    for i, r in enumerate(results):
+        message, finish = ResponseMessage(content=r.text), r.finish_reason
+        if tools is not None:
+            content, calls = tools.parse(r.text)
+            if calls:
+                message = ResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls])
+                finish = "tool_calls"
+        chosen = chat_logprobs(ready.tokenizer, r.logprobs) if body.logprobs else None
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=chosen))
     completion_tokens = sum(r.num_generated_tokens for r in results)
     totals = usage([len(prompt)], completion_tokens, results[0].num_cached_tokens)
     _trace_result(totals, [r.finish_reason for r in results])
@@ -189,7 +234,10 @@ async def _chat_stream(
     requests: list[GenerationRequest],
     num_prompt: int,
     always_usage: bool,
+    tools: ToolSpec | None = None,
 ) -> AsyncIterator[str]:
+    """Chunks as the engine's deltas arrive. With tools, an answer that starts like a call is held
+    back and sent, once finished, as tool_calls (or as content, when it does not parse)."""
     created = int(time.time())
     include_usage = body.include_usage or always_usage
 
@@ -204,6 +252,8 @@ async def _chat_stream(
     completion_tokens = [0] * len(requests)
     finish_reasons: list[str | None] = [None] * len(requests)
     cached = 0
+    sent = [""] * len(requests)  # content streamed so far, per choice
+    held = [""] * len(requests)  # text held back as a possible tool call
     async for index, out in merged(ready.engine, requests):
         if ended_badly(out):
             yield _sse_error(engine_error(out))
@@ -211,13 +261,28 @@ async def _chat_stream(
         completion_tokens[index] = out.num_generated_tokens
         cached = out.num_cached_tokens if index == 0 else cached
         logprobs = chat_logprobs(ready.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
-        if out.text or logprobs:
-            yield chunk(
-                [ChatChunkChoice(index=index, delta=DeltaMessage(content=out.text), logprobs=logprobs)]
-            )
+        text = out.text
+        if tools is not None and not sent[index] and (tools.forced or tools.starts_call(held[index] + text)):
+            held[index] += text
+            text = ""
+        elif held[index]:
+            text, held[index] = held[index] + text, ""
+        if text or logprobs:
+            sent[index] += text
+            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=logprobs)])
         if out.finished:
-            finish_reasons[index] = out.finish_reason
             finish = client_finish_reason(out)
+            if tools is not None and held[index]:
+                content, calls = tools.parse(held[index])
+                if calls:
+                    deltas = [c.to_openai(index=j) for j, c in enumerate(calls)]
+                    yield chunk(
+                        [ChatChunkChoice(index=index, delta=DeltaMessage(content=content, tool_calls=deltas))]
+                    )
+                    finish = "tool_calls"
+                else:
+                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=held[index]))])
+            finish_reasons[index] = finish
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish)])
     totals = usage([num_prompt], sum(completion_tokens), cached)
     _trace_result(totals, finish_reasons)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from service.api.errors import APIError, service_unavailable
+from service.api.tools import ParserName
 from service.config import Settings
 from service.engine.protocol import AdapterCatalog, Engine, EngineDeadError, EngineInfo
 from service.metering import EngineStatsCollector
@@ -23,6 +24,8 @@ class ApiLimits:
     max_completion_tokens: int | None = None
     request_timeout_seconds: float | None = None
     always_include_usage: bool = False
+    tool_call_parser: ParserName | None = None  # None: recognised from the chat template
+    auto_tool_choice: bool = True
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ApiLimits:
@@ -32,6 +35,8 @@ class ApiLimits:
             max_completion_tokens=settings.max_completion_tokens,
             request_timeout_seconds=settings.request_timeout_seconds,
             always_include_usage=settings.always_include_usage,
+            tool_call_parser=settings.tool_call_parser,
+            auto_tool_choice=settings.enable_auto_tool_choice,
         )
 
 

@@ -25,6 +25,9 @@ class GuidedDecoding:
 
     kind: GuidedKind
     spec: str = ""  # the schema as JSON, the regex, the grammar, or the choices as a JSON array
+    # json_schema only: literal text around the JSON (a tool call's markers, e.g. "<tool_call>\n")
+    prefix: str = ""
+    suffix: str = ""
 
 
 @dataclass(frozen=True)

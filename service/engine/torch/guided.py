@@ -90,6 +90,14 @@ class GrammarCompiler:
     def _compile(self, guided: GuidedDecoding) -> Any:
         compiler = self._compiler
         try:
+            if guided.kind == "json_schema" and (guided.prefix or guided.suffix):
+                grammar = self._xgr.Grammar
+                parts = [grammar.from_json_schema(guided.spec, any_whitespace=False)]
+                if guided.prefix:
+                    parts.insert(0, grammar.from_ebnf(f"root ::= {json.dumps(guided.prefix)}"))
+                if guided.suffix:
+                    parts.append(grammar.from_ebnf(f"root ::= {json.dumps(guided.suffix)}"))
+                return compiler.compile_grammar(grammar.concat(*parts))
             if guided.kind == "json_schema":
                 return compiler.compile_json_schema(guided.spec, any_whitespace=False)
             if guided.kind == "json_object":
@@ -98,8 +106,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(guided.spec)
             if guided.kind == "choice":
                 choices = json.loads(guided.spec)
-                grammar = "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
-                return compiler.compile_grammar(grammar)
+                alternatives = "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+                return compiler.compile_grammar(alternatives)
             return compiler.compile_grammar(guided.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {_NAMES[guided.kind]}: {_first_line(exc)}") from exc

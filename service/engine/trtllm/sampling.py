@@ -62,6 +62,8 @@ def to_trtllm(api: TrtllmApi, params: SamplingParams, vocab_size: int) -> Any:
 def _guided(api: TrtllmApi, guided: GuidedDecoding) -> Any:
     if api.GuidedDecodingParams is None:
         raise ValueError("structured output: this tensorrt_llm has no GuidedDecodingParams")
+    if guided.prefix or guided.suffix:
+        raise ValueError("tool_choice required or a named function is not served by the tensorrt_llm adapter")
     if guided.kind == "json_schema":
         return api.GuidedDecodingParams(json=guided.spec)
     if guided.kind == "json_object":

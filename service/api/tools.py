@@ -1,0 +1,257 @@
+"""OpenAI tool calling: the model's own tool-call format, parsed back into `tool_calls`.
+
+The chat template renders `tools` (as transformers passes them); the model answers in its
+family's format, which a parser reads back:
+
+- hermes (Hermes, Qwen2/2.5/3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  one block per call, possibly after some text;
+- llama3_json (Llama 3.1-3.3): a JSON object `{"name": ..., "parameters": {...}}`, optionally
+  after `<|python_tag|>`, several separated by `;`;
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+
+The parser is chosen from the chat template (the markers it renders), or NIM_TOOL_CALL_PARSER.
+`tool_choice`: `none` renders no tools and parses nothing; `auto` (the default with tools) parses
+the answer, and text that is not a well-formed call of a known function stays content (never an
+empty tool_calls list); `required` and a named function constrain the output with a grammar
+(service.engine GuidedDecoding: the call's JSON, its parameters' schema, between the format's
+markers), so the call always parses and its arguments validate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from service.api.errors import invalid_request
+from service.engine.protocol import GuidedDecoding
+
+ParserName = Literal["hermes", "llama3_json", "mistral"]
+PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's function.arguments
+    id: str = ""
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tools as the engine needs them: which calls may be made, and how."""
+
+    parser: ParserName
+    functions: dict[str, dict[str, Any]]  # name -> parameters schema
+    choice: str | None  # "auto", "required", a function name; None: tools are not used
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in (None, "auto")
+
+    def guided(self) -> GuidedDecoding | None:
+        """The grammar that makes the answer one call (required / named), or None for auto."""
+        if not self.forced:
+            return None
+        names = list(self.functions) if self.choice == "required" else [str(self.choice)]
+        key = "parameters" if self.parser == "llama3_json" else "arguments"
+        cases = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, key: self.functions[name]},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+            for name in names
+        ]
+        schema = cases[0] if len(cases) == 1 else {"anyOf": cases}
+        prefix, suffix = {
+            "hermes": ("<tool_call>\n", "\n</tool_call>"),
+            "llama3_json": ("", ""),
+            "mistral": ("[TOOL_CALLS][", "]"),
+        }[self.parser]
+        return GuidedDecoding("json_schema", json.dumps(schema), prefix=prefix, suffix=suffix)
+
+    def starts_call(self, text: str) -> bool:
+        """Whether streamed text so far may be the start of a call (and must be held back)."""
+        stripped = text.lstrip()
+        marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}[
+            self.parser
+        ]
+        if self.parser == "llama3_json" and stripped.startswith("{"):
+            return True
+        if self.parser == "hermes" and marker in text:
+            return True
+        return marker.startswith(stripped[: len(marker)]) if stripped else False
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) from a finished answer; calls is empty when it is not well formed."""
+        calls = _PARSE[self.parser](text)
+        if calls is None or not calls or any(c.name not in self.functions for c in calls):
+            return text, []
+        if not self.parallel:
+            calls = calls[:1]
+        content = text.split("<tool_call>", 1)[0].strip() if self.parser == "hermes" else ""
+        return content or None, calls
+
+
+def tool_spec(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    template: str | None,
+    configured: ParserName | None,
+    auto_enabled: bool,
+) -> ToolSpec | None:
+    """The request's tools, checked (400s name the field), or None when no tool is in play."""
+    if tool_choice is not None and not tools:
+        raise invalid_request("tool_choice needs tools", "tool_choice")
+    if not tools:
+        return None
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise invalid_request(
+                "each tool must be {type: function, function: {name, parameters}}", f"tools.{i}"
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise invalid_request(
+                "function names are 1-64 letters, digits, '_', '.', '-'", f"tools.{i}.function.name"
+            )
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise invalid_request(
+                "function parameters must be a JSON schema object", f"tools.{i}.function.parameters"
+            )
+        functions[name] = parameters
+    choice = _choice(tool_choice, functions)
+    if choice is None:
+        return None
+    parser = configured or detect_parser(template)
+    if parser is None:
+        raise invalid_request(
+            "this model's chat template does not render tools in a format this server parses "
+            "(hermes, llama3_json, mistral); set NIM_TOOL_CALL_PARSER if it uses one of them",
+            "tools",
+        )
+    if choice == "auto" and not auto_enabled:
+        raise invalid_request(
+            "tool_choice auto is disabled on this server (NIM_ENABLE_AUTO_TOOL_CHOICE=0); use required or a "
+            "named function",
+            "tool_choice",
+        )
+    return ToolSpec(parser, functions, choice, parallel_tool_calls is not False)
+
+
+def detect_parser(template: str | None) -> ParserName | None:
+    """The tool-call format a chat template renders, by its markers."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ("ipython" in template and "parameters" in template):
+        return "llama3_json"
+    return None
+
+
+def _choice(tool_choice: str | dict[str, Any] | None, functions: dict[str, dict[str, Any]]) -> str | None:
+    if tool_choice is None or tool_choice == "auto":
+        return "auto"
+    if tool_choice == "none":
+        return None
+    if tool_choice == "required":
+        return "required"
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise invalid_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return str(name)
+    raise invalid_request("tool_choice must be none, auto, required or {type: function, function: {name}}",
+                          "tool_choice")  # fmt: skip
+
+
+def _call(obj: Any, key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(key, obj.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _parse_hermes(text: str) -> list[ToolCall] | None:
+    blocks = re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, flags=re.DOTALL)
+    if not blocks:
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = _call(json.loads(block), "arguments")
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _parse_llama3(text: str) -> list[ToolCall] | None:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return None
+    calls = []
+    decoder = json.JSONDecoder()
+    position = 0
+    while position < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, position)
+        except ValueError:
+            return None
+        call = _call(obj, "parameters")
+        if call is None:
+            return None
+        calls.append(call)
+        position = end
+        rest = body[position:].lstrip()
+        if not rest:
+            break
+        if not rest.startswith(";"):
+            return None
+        position = len(body) - len(rest) + 1
+        while position < len(body) and body[position].isspace():
+            position += 1
+    return calls
+
+
+def _parse_mistral(text: str) -> list[ToolCall] | None:
+    body = text.strip()
+    if not body.startswith("[TOOL_CALLS]"):
+        return None
+    try:
+        items = json.loads(body.removeprefix("[TOOL_CALLS]").strip())
+    except ValueError:
+        return None
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list):
+        return None
+    calls = [_call(item, "arguments") for item in items]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+_PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3, "mistral": _parse_mistral}
