@@ -16,8 +16,10 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -73,6 +75,43 @@ async def one_request(
                 last = now
     result.latency = time.perf_counter() - started
     return result
+
+
+def compare_rounds(
+    baseline: argparse.Namespace, variant: argparse.Namespace, rounds: int, vocab: int, names: tuple[str, str]
+) -> dict:
+    """The same load as `baseline` and as `variant`, alternating for `rounds` rounds on one server:
+    each one's medians and the variant's output tok/s over the baseline's, per round and median."""
+    runs: dict[str, list[dict[str, float]]] = {names[0]: [], names[1]: []}
+    for _ in range(rounds):
+        runs[names[0]].append(asyncio.run(run_once(baseline, vocab)))
+        runs[names[1]].append(asyncio.run(run_once(variant, vocab)))
+    medians = {
+        kind: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]}
+        for kind, rs in runs.items()
+    }
+    pairs = zip(runs[names[0]], runs[names[1]], strict=True)
+    ratios = [v["output_tok_per_s"] / b["output_tok_per_s"] for b, v in pairs]
+    ratio = f"{names[1]}_over_{names[0]}"
+    return {
+        **medians,
+        f"{ratio}_per_round": [round(r, 3) for r in ratios],
+        f"{ratio}_median": round(statistics.median(ratios), 3),
+    }
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: round(statistics.median(r[key] for r in runs), 2) for key in runs[0]}
+
+
+def write_report(report: dict, out: Path | None) -> None:
+    """Print the report as JSON and keep it in `out`, with the command that produced it."""
+    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), **report}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 def percentile(values: list[float], q: float) -> float:

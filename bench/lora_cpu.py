@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -109,36 +108,19 @@ def main() -> None:
             mixed = argparse.Namespace(**{**vars(load), "models": list(ADAPTERS)})
             warm = argparse.Namespace(**{**vars(mixed), "requests": 8, "concurrency": 4, "output_len": 4})
             asyncio.run(http_load.run_once(warm, vocab))  # every adapter read and in a slot
-            runs: dict[str, list[dict[str, float]]] = {"base": [], "mixed": []}
-            for _ in range(args.rounds):
-                runs["base"].append(asyncio.run(http_load.run_once(load, vocab)))
-                runs["mixed"].append(asyncio.run(http_load.run_once(mixed, vocab)))
-            medians = {
-                kind: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]}
-                for kind, rs in runs.items()
-            }
-            pairs = zip(runs["base"], runs["mixed"], strict=True)
-            ratios = [m["output_tok_per_s"] / b["output_tok_per_s"] for b, m in pairs]
-            results[str(concurrency)] = {
-                **medians,
-                "mixed_over_base_per_round": [round(r, 3) for r in ratios],
-                "mixed_over_base_median": round(statistics.median(ratios), 3),
-            }
+            results[str(concurrency)] = http_load.compare_rounds(
+                load, mixed, args.rounds, vocab, ("base", "mixed")
+            )
     finally:
         process.terminate()
         process.wait(60)
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "adapters": {"count": len(ADAPTERS), "rank": args.rank, "targets": list(TARGETS)},
         "threads": args.threads,
         "torch": torch.__version__,
         "load": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    http_load.write_report(report, args.out)
 
 
 if __name__ == "__main__":

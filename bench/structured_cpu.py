@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -77,36 +75,19 @@ def main() -> None:
                 **{**vars(constrained), "requests": 4, "concurrency": 2, "output_len": 4}
             )
             asyncio.run(http_load.run_once(warm, vocab))  # the grammar compiled and cached
-            runs: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
-            for _ in range(args.rounds):
-                runs["unconstrained"].append(asyncio.run(http_load.run_once(free, vocab)))
-                runs["constrained"].append(asyncio.run(http_load.run_once(constrained, vocab)))
-            medians = {
-                kind: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]}
-                for kind, rs in runs.items()
-            }
-            pairs = zip(runs["unconstrained"], runs["constrained"], strict=True)
-            ratios = [c["output_tok_per_s"] / u["output_tok_per_s"] for u, c in pairs]
-            results[str(concurrency)] = {
-                **medians,
-                "constrained_over_unconstrained_per_round": [round(r, 3) for r in ratios],
-                "constrained_over_unconstrained_median": round(statistics.median(ratios), 3),
-            }
+            results[str(concurrency)] = http_load.compare_rounds(
+                free, constrained, args.rounds, vocab, ("unconstrained", "constrained")
+            )
     finally:
         process.terminate()
         process.wait(60)
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "schema": SCHEMA,
         "threads": args.threads,
         "torch": torch.__version__,
         "load": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    http_load.write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,6 @@ def main() -> None:
         for c in one["load"]
     }
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "shape": SHAPE,
         "threads": args.threads,
         "torch": torch.__version__,
@@ -177,11 +176,7 @@ def main() -> None:
         f"tp{args.tp}": many,
         f"tok_per_s_ratio_tp{args.tp}_over_tp1": ratios,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    http_load.write_report(report, args.out)
 
 
 if __name__ == "__main__":
