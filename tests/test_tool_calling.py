@@ -197,3 +197,30 @@ def test_a_tool_round_trip_and_auto_never_answers_an_empty_list(server) -> None:
             model=NAME, messages=messages, tools=TOOLS, max_tokens=4,  # type: ignore[arg-type]
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )  # fmt: skip
+
+
+def test_streamed_text_is_held_back_only_where_a_call_may_start() -> None:
+    from service.api.tools import ToolStream
+
+    stream = ToolStream(_spec("hermes"))
+    pieces = [
+        "Let me ",
+        "check.<tool",
+        "_call>\n",
+        '{"name": "get_time", ',
+        '"arguments": {"zone": "UTC"}}',
+        "\n</tool_call>",
+    ]
+    sent = "".join(stream.feed(p) for p in pieces)
+    assert sent == "Let me check."  # "<tool" was held until it turned out to be the marker
+    content, calls = stream.finish()
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    plain = ToolStream(_spec("hermes"))
+    assert "".join(plain.feed(p) for p in ["a <tool", "box> b"]) == "a <toolbox> b"  # not a marker after all
+    broken = ToolStream(_spec("hermes"))
+    assert broken.feed("<tool_call>{oops") == "" and broken.finish() == ("<tool_call>{oops", [])
+    llama = ToolStream(_spec("llama3_json"))
+    assert llama.feed('{"name": "get_time", "parameters": {"zone": "CET"}}') == ""
+    assert [c.name for c in llama.finish()[1]] == ["get_time"]
+    words = ToolStream(_spec("llama3_json"))
+    assert words.feed("Hello {") == "Hello {"  # an answer that starts with words is content

@@ -54,7 +54,7 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import Ready, ServiceState
-from service.api.tools import ToolSpec, tool_spec
+from service.api.tools import ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.tokenizer import ChatTemplateError
 from service.tracing import annotate
@@ -236,8 +236,8 @@ async def _chat_stream(
     always_usage: bool,
     tools: ToolSpec | None = None,
 ) -> AsyncIterator[str]:
-    """Chunks as the engine's deltas arrive. With tools, an answer that starts like a call is held
-    back and sent, once finished, as tool_calls (or as content, when it does not parse)."""
+    """Chunks as the engine's deltas arrive. With tools, text that is (or may become) a tool call is
+    held back and sent, once finished, as tool_calls (or as content, when it does not parse)."""
     created = int(time.time())
     include_usage = body.include_usage or always_usage
 
@@ -252,8 +252,7 @@ async def _chat_stream(
     completion_tokens = [0] * len(requests)
     finish_reasons: list[str | None] = [None] * len(requests)
     cached = 0
-    sent = [""] * len(requests)  # content streamed so far, per choice
-    held = [""] * len(requests)  # text held back as a possible tool call
+    streams = [ToolStream(tools) if tools is not None else None for _ in requests]
     async for index, out in merged(ready.engine, requests):
         if ended_badly(out):
             yield _sse_error(engine_error(out))
@@ -261,27 +260,21 @@ async def _chat_stream(
         completion_tokens[index] = out.num_generated_tokens
         cached = out.num_cached_tokens if index == 0 else cached
         logprobs = chat_logprobs(ready.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
-        text = out.text
-        if tools is not None and not sent[index] and (tools.forced or tools.starts_call(held[index] + text)):
-            held[index] += text
-            text = ""
-        elif held[index]:
-            text, held[index] = held[index] + text, ""
+        stream = streams[index]
+        text = out.text if stream is None else stream.feed(out.text)
         if text or logprobs:
-            sent[index] += text
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=logprobs)])
         if out.finished:
             finish = client_finish_reason(out)
-            if tools is not None and held[index]:
-                content, calls = tools.parse(held[index])
+            if stream is not None:
+                content, calls = stream.finish()
                 if calls:
                     deltas = [c.to_openai(index=j) for j, c in enumerate(calls)]
-                    yield chunk(
-                        [ChatChunkChoice(index=index, delta=DeltaMessage(content=content, tool_calls=deltas))]
-                    )
+                    delta = DeltaMessage(content=content, tool_calls=deltas)
+                    yield chunk([ChatChunkChoice(index=index, delta=delta)])
                     finish = "tool_calls"
-                else:
-                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=held[index]))])
+                elif content:
+                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=content))])
             finish_reasons[index] = finish
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish)])
     totals = usage([num_prompt], sum(completion_tokens), cached)

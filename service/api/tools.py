@@ -30,6 +30,12 @@ from service.engine.protocol import GuidedDecoding
 
 ParserName = Literal["hermes", "llama3_json", "mistral"]
 PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json", "mistral")
+# What starts a call in each format's output.
+_MARKERS: dict[ParserName, str] = {
+    "hermes": "<tool_call>",
+    "mistral": "[TOOL_CALLS]",
+    "llama3_json": "<|python_tag|>",
+}
 
 
 @dataclass(frozen=True)
@@ -83,18 +89,6 @@ class ToolSpec:
         }[self.parser]
         return GuidedDecoding("json_schema", json.dumps(schema), prefix=prefix, suffix=suffix)
 
-    def starts_call(self, text: str) -> bool:
-        """Whether streamed text so far may be the start of a call (and must be held back)."""
-        stripped = text.lstrip()
-        marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}[
-            self.parser
-        ]
-        if self.parser == "llama3_json" and stripped.startswith("{"):
-            return True
-        if self.parser == "hermes" and marker in text:
-            return True
-        return marker.startswith(stripped[: len(marker)]) if stripped else False
-
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) from a finished answer; calls is empty when it is not well formed."""
         calls = _PARSE[self.parser](text)
@@ -104,6 +98,56 @@ class ToolSpec:
             calls = calls[:1]
         content = text.split("<tool_call>", 1)[0].strip() if self.parser == "hermes" else ""
         return content or None, calls
+
+
+@dataclass
+class ToolStream:
+    """One streamed answer under tools: what may go out as content now, and what is held back
+    because it is, or may become, a tool call (sent whole, or as content if it does not parse)."""
+
+    spec: ToolSpec
+    held: str = ""
+    calling: bool = False  # a call's marker was seen: everything after it is held
+    emitted: bool = False  # some content went out already
+
+    def feed(self, text: str) -> str:
+        """The content that can be streamed now, given the next piece of the answer."""
+        buffer = self.held + text
+        if self.spec.forced or self.calling:
+            self.held = buffer
+            return ""
+        marker = _MARKERS[self.spec.parser]
+        if self.spec.parser == "llama3_json":  # a call is the whole answer, JSON from its start
+            stripped = buffer.lstrip()
+            if not self.emitted and (stripped[:1] in ("", "{") or marker.startswith(stripped[: len(marker)])):
+                self.held = buffer
+                return ""
+            self.held = ""
+            self.emitted = self.emitted or bool(buffer)
+            return buffer
+        at = buffer.find(marker)
+        if at >= 0:
+            self.calling, self.held, out = True, buffer[at:], buffer[:at]
+        else:  # hold back a tail that may be the start of the marker
+            keep = _overlap(buffer, marker)
+            self.held, out = buffer[len(buffer) - keep :], buffer[: len(buffer) - keep]
+        self.emitted = self.emitted or bool(out)
+        return out
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """At the end: (content still to send, the calls) from what was held."""
+        if not self.held:
+            return None, []
+        content, calls = self.spec.parse(self.held)
+        return (content, calls) if calls else (self.held, [])
+
+
+def _overlap(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (shorter than all of it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
 
 
 def tool_spec(
