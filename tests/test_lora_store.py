@@ -127,3 +127,13 @@ def test_a_refused_adapter_is_reported_once_and_a_broken_replacement_stops_servi
     assert result.removed == ("good",) and store.names() == []
     with pytest.raises(UnknownAdapterError):
         store.prepare("good")
+
+
+def test_an_adapter_named_like_the_served_model_is_refused_once(tmp_path: Path) -> None:
+    source = tmp_path / "loras"
+    for seed, name in enumerate(["base-model", "sql"]):
+        write_adapter(source / name, seed=seed)
+    store = LoraStore(source, reader, device_slots=1, host_capacity=1, reserved=frozenset({"base-model"}))
+    first = store.refresh()
+    assert store.names() == ["sql"] and any("the served model's own name" in r for r in first.refused)
+    assert store.refresh().refused == ()

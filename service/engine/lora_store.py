@@ -66,6 +66,9 @@ class _Slot:
     stale: bool = False  # holds a version the source has replaced: drained, never handed out
 
 
+_RESERVED = ("reserved", 0)  # the "version" of a directory refused for its name
+
+
 def _version(path: Path) -> tuple[str, int]:
     """What identifies an adapter's files: where they are and when they last changed."""
     stamps = [f.stat().st_mtime_ns for f in sorted(path.iterdir()) if f.is_file()]
@@ -86,6 +89,7 @@ class LoraStore:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _refused_versions: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
     refresh_interval_s: float | None = None  # rescan period (start_refreshing); None: never
+    reserved: frozenset[str] = frozenset()  # names requests use for other things (the base model's)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _refresher: threading.Thread | None = field(default=None, init=False)
 
@@ -104,10 +108,15 @@ class LoraStore:
         with its reason and never listed), removed ones stop being known."""
         found, skipped = scan_source(self.source)
         refused = list(skipped)
+        refused_versions: dict[str, tuple[str, int]] = {}
+        for name in sorted(self.reserved & found.keys()):
+            del found[name]
+            refused_versions[name] = _RESERVED
+            if self._refused_versions.get(name) != _RESERVED:  # reported once
+                refused.append(f"{name}: the served model's own name; rename the adapter's directory")
         with self._lock:
             known = dict(self._known)
         added = []
-        refused_versions: dict[str, tuple[str, int]] = {}
         for name, path in found.items():
             version = _version(path)
             if known.get(name) == version:

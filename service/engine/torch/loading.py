@@ -94,6 +94,7 @@ def adapter_store(config: EngineConfig, model_config: ModelConfig, slots: LoraSl
         device_slots=lora.max_gpu_loras,
         host_capacity=lora.max_cpu_loras,
         refresh_interval_s=lora.refresh_interval_s,
+        reserved=frozenset({config.served_name}),
     )
     result = store.refresh()
     log.info(

@@ -49,6 +49,7 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
             device_slots=lora.max_gpu_loras,
             host_capacity=lora.max_cpu_loras,
             refresh_interval_s=lora.refresh_interval_s,
+            reserved=frozenset({config.served_name}),
         )
         result = adapters.refresh()
         log.info("LoRA: %d adapter(s) from %s (%s)", len(result.added), source, ", ".join(result.added))
