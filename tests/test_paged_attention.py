@@ -116,3 +116,16 @@ def test_mixed_step_matches_dense_attention(cache_dtype: str, tolerance: float) 
         got = out[row : row + new]
         assert (got - want).abs().max() <= tolerance * max(1.0, float(want.abs().max())), cache_dtype
         row += new
+
+
+def test_a_run_of_blocks_is_read_in_place_as_gathered() -> None:
+    """A lone decode whose blocks are one ascending run reads a view of the pool: the same keys
+    and values a gather copies out, without the copy."""
+    pool = KVPool(spec("auto", layers=2), num_blocks=8, device=torch.device("cpu"))
+    for layer in range(2):
+        pool.data[layer].copy_(torch.randn_like(pool.data[layer]))
+    for layer in range(2):
+        run = pool.run_pair(layer, 3, 4)
+        gathered = pool.gather_pair(layer, pool.head_block_ids(torch.arange(3, 7)), torch.float32)
+        assert torch.equal(run, gathered)
+        assert run.untyped_storage().data_ptr() == pool.data[layer].untyped_storage().data_ptr()

@@ -124,6 +124,14 @@ class KVPool:
         scales = self.scales[layer].view(-1, block).index_select(0, head_block_ids).view(2, heads, -1)
         return self._dequantize(both, scales, dtype)
 
+    def run_pair(self, layer: int, first: int, count: int) -> torch.Tensor:
+        """Keys and values of blocks first..first+count-1 as they lie in the pool: a view
+        [2, Hkv, count * block_size, D], no copy (16-bit caches only: quantized ones dequantize)."""
+        assert self.scales is None, "a quantized cache is read through gather_pair"
+        heads, block, dim = self.spec.num_kv_heads, self.spec.block_size, self.spec.head_dim
+        planes = self.data[layer].view(2, heads, self.num_blocks, block, dim)
+        return planes[:, :, first : first + count].reshape(2, heads, count * block, dim)
+
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [H, T, D] -> codes [H, T, D] in storage dtype, scales [H, T]
         qmax = _QMAX[self.spec.cache_dtype]

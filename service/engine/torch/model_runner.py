@@ -213,6 +213,7 @@ class ModelRunner:
         device = self.device
         num_decodes = plan.num_decodes
         decode_blocks = mask = tables = lens = None
+        run: tuple[int, int] | None = None
         if num_decodes:
             context_lens = plan.context_lens[:num_decodes]
             width = cdiv(max(context_lens), self.block_size)
@@ -222,7 +223,9 @@ class ModelRunner:
                 rows = [list(t) + [scratch] * (width - len(t)) for t in plan.block_tables[:num_decodes]]
                 tables = torch.tensor(rows, dtype=torch.long, device=device)  # [B, N]
             else:
-                decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
+                run = self._block_run(plan.block_tables[0]) if num_decodes == 1 else None
+                if run is None:
+                    decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
                 mask = decode_mask(lens, width * self.block_size, self.dtype)
         prefills = []
         query_start = num_decodes
@@ -249,7 +252,20 @@ class ModelRunner:
             prefills=tuple(prefills),
             decode_tables=tables,
             decode_lens=lens if tables is not None else None,
+            decode_block_run=run,
         )
+
+    def _block_run(self, table: tuple[int, ...]) -> tuple[int, int] | None:
+        """(first, count) when `table` is one ascending run of blocks in a pool of the activations'
+        dtype (read in place); None otherwise (gathered)."""
+        if self.pool.scales is not None or self.pool.data[0].dtype != self.dtype:
+            return None
+        if table[-1] - table[0] != len(table) - 1:
+            return None
+        first = table[0]
+        if any(block != first + i for i, block in enumerate(table)):
+            return None
+        return first, len(table)
 
     def _blocks(self, tables: tuple[tuple[int, ...], ...], width: int) -> torch.Tensor:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""

@@ -51,6 +51,9 @@ class AttentionMetadata:
     # Set instead of the two above where decodes attend through the Triton kernel (CUDA).
     decode_tables: torch.Tensor | None = None  # [B, N] block ids (padded with the scratch block)
     decode_lens: torch.Tensor | None = None  # [B] context lengths
+    # A lone decode whose blocks are one ascending run (first block, count): its keys and values
+    # are read in place, a view of the pool, instead of gathered (set instead of decode_block_ids).
+    decode_block_run: tuple[int, int] | None = None
 
 
 class PagedAttention:
@@ -84,9 +87,13 @@ class PagedAttention:
                 meta.decode_lens, self.scale,
             )  # fmt: skip
         mask = meta.decode_mask
-        assert meta.decode_block_ids is not None and mask is not None
+        assert mask is not None
         batch, length = mask.shape[0], mask.shape[-1]
-        both = self.pool.gather_pair(layer, meta.decode_block_ids, q.dtype)  # [2, Hkv, B*L, D]
+        if meta.decode_block_run is not None:
+            both = self.pool.run_pair(layer, *meta.decode_block_run)  # [2, Hkv, L, D], a view
+        else:
+            assert meta.decode_block_ids is not None
+            both = self.pool.gather_pair(layer, meta.decode_block_ids, q.dtype)  # [2, Hkv, B*L, D]
         _, num_kv_heads, _, head_dim = both.shape
         # Each request's keys (values) as one [L, D] matrix per kv head: [B, Hkv, L, D] views.
         keys, values = both.view(2, num_kv_heads, batch, length, head_dim).transpose(1, 2).unbind(0)
