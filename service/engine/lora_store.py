@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.engine.lora import AdapterError, LoraAdapter, scan_source
+from service.engine.config import LoraConfig
+from service.engine.lora import AdapterError, LoraAdapter, read_adapter, scan_source
+from service.engine.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,33 @@ class LoraStore:
     reserved: frozenset[str] = frozenset()  # names requests use for other things (the base model's)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _refresher: threading.Thread | None = field(default=None, init=False)
+
+    @classmethod
+    def open(cls, lora: LoraConfig, model: ModelConfig, served_name: str) -> LoraStore:
+        """The store for an engine's LoRA settings over `model` (the base model's name reserved),
+        its source scanned once now."""
+        if lora.source is None:
+            raise ValueError("LoRA settings without an adapter source")
+        store = cls(
+            source=lora.source,
+            reader=lambda path, name: read_adapter(path, name, model, lora.max_rank),
+            device_slots=lora.max_gpu_loras,
+            host_capacity=lora.max_cpu_loras,
+            refresh_interval_s=lora.refresh_interval_s,
+            reserved=frozenset({served_name}),
+        )
+        result = store.refresh()
+        log.info(
+            "LoRA: %d adapter(s) from %s (%s); %d device slots of rank <= %d, %d kept in host memory%s",
+            len(result.added),
+            lora.source,
+            ", ".join(result.added) or "none yet",
+            lora.max_gpu_loras,
+            lora.max_rank,
+            lora.max_cpu_loras,
+            f", rescanned every {lora.refresh_interval_s:g} s" if lora.refresh_interval_s else "",
+        )
+        return store
 
     def __post_init__(self) -> None:
         if self.device_slots < 1 or self.host_capacity < self.device_slots:

@@ -12,7 +12,6 @@ import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
-from service.engine.lora import read_adapter
 from service.engine.lora_store import LoraStore
 from service.engine.models import quant_cache
 from service.engine.models.config import ModelConfig, UnsupportedModelError
@@ -82,33 +81,6 @@ def check_lora(config: EngineConfig) -> None:
         raise UnsupportedConfigError(
             f"profile {config.profile_name} serves LoRA adapters: set NIM_PEFT_SOURCE to their directory"
         )
-
-
-def adapter_store(config: EngineConfig, model_config: ModelConfig, slots: LoraSlots) -> LoraStore:
-    """The adapter store over the model's slots (the source scanned once now)."""
-    lora = config.lora
-    assert lora is not None and lora.source is not None
-    store = LoraStore(
-        source=lora.source,
-        reader=lambda path, name: read_adapter(path, name, model_config, lora.max_rank),
-        device_slots=lora.max_gpu_loras,
-        host_capacity=lora.max_cpu_loras,
-        refresh_interval_s=lora.refresh_interval_s,
-        reserved=frozenset({config.served_name}),
-    )
-    result = store.refresh()
-    log.info(
-        "LoRA: %d adapter(s) from %s (%s); %d device slots of rank <= %d (%.1f MB), %d kept in host memory%s",
-        len(result.added),
-        lora.source,
-        ", ".join(result.added) or "none yet",
-        lora.max_gpu_loras,
-        lora.max_rank,
-        slots.nbytes / 1e6,
-        lora.max_cpu_loras,
-        f", rescanned every {lora.refresh_interval_s:g} s" if lora.refresh_interval_s else "",
-    )
-    return store
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -284,7 +256,10 @@ def build_engine(
             tokenizer = Tokenizer.from_gguf(config.model_path)
         else:
             tokenizer = Tokenizer.from_directory(config.model_path)
-        adapters = None if loaded.lora is None else adapter_store(config, loaded.model_config, loaded.lora)
+        adapters = None
+        if loaded.lora is not None and config.lora is not None:
+            adapters = LoraStore.open(config.lora, loaded.model_config, config.served_name)
+            log.info("LoRA device slots: %.1f MB", loaded.lora.nbytes / 1e6)
         num_blocks = loaded.propose_blocks(config, size)
         if group is not None:
             num_blocks = group.agree_blocks(num_blocks)

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
-from service.engine.lora import read_adapter
 from service.engine.lora_store import LoraStore
 from service.engine.models.config import ModelConfig
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
@@ -40,19 +39,8 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     tokenizer = Tokenizer.from_directory(config.model_path)
     kwargs = llm_kwargs(config, api)
     adapters = None
-    lora = config.lora
-    if lora is not None and lora.source is not None:
-        source = lora.source
-        adapters = LoraStore(
-            source=source,
-            reader=lambda path, name: read_adapter(path, name, model_config, lora.max_rank),
-            device_slots=lora.max_gpu_loras,
-            host_capacity=lora.max_cpu_loras,
-            refresh_interval_s=lora.refresh_interval_s,
-            reserved=frozenset({config.served_name}),
-        )
-        result = adapters.refresh()
-        log.info("LoRA: %d adapter(s) from %s (%s)", len(result.added), source, ", ".join(result.added))
+    if config.lora is not None and config.lora.source is not None:
+        adapters = LoraStore.open(config.lora, model_config, config.served_name)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     info = EngineInfo(
         engine="tensorrt_llm",
