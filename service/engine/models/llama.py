@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -287,6 +287,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """The layers, typed (an nn.ModuleList yields plain Modules)."""
+        return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
 
 
 # checkpoint projection name -> (fused module name, shard index within it)

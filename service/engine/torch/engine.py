@@ -66,6 +66,7 @@ from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.model_runner import ModelRunner, StepResult
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.engine.torch.step_plan import NewRequest, ScheduledSequence, StepPlan, build_plan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.tokenizer import Tokenizer
@@ -119,6 +120,7 @@ class TorchEngineConfig:
     dtype: torch.dtype
     decode_kernel: bool = False  # decodes attend through the Triton paged kernel (CUDA)
     cuda_graphs: bool = False  # decode steps replay CUDA graphs captured at start-up
+    scripted_decode: bool = False  # CPU decode-only steps run as one TorchScript call, where they can
 
 
 @dataclass
@@ -205,6 +207,7 @@ class TorchEngine:
             followers=tp_group,
             lora=lora_slots,
             grammars=self._grammar_compiler if info.features.guided_decoding else None,
+            scripted=ScriptedDecoder.build(model, self.kv_pool) if config.scripted_decode else None,
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

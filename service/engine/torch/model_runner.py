@@ -27,6 +27,7 @@ from service.engine.torch.paged_attention import (
     prefill_mask,
 )
 from service.engine.torch.sampler import SampledToken, SamplingRow, make_generator, sample, token_logprob
+from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.engine.torch.step_plan import NewRequest, StepPlan
 from service.util import cdiv
 
@@ -77,6 +78,7 @@ class ModelRunner:
         followers: Followers | None = None,
         lora: LoraSlots | None = None,
         grammars: Callable[[], GrammarCompiler] | None = None,
+        scripted: ScriptedDecoder | None = None,
     ) -> None:
         if followers is not None and decode_graphs is not None:
             raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
@@ -84,6 +86,7 @@ class ModelRunner:
         self.followers = followers  # tensor parallelism: the other ranks, sent each plan first
         self.decode_kernel = decode_kernel  # decodes attend through the Triton paged kernel
         self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
+        self.scripted = scripted  # CPU decode-only steps run as one TorchScript call
         self.pool = pool
         self.device = device
         self.lora = lora  # the model's adapter slots, when it serves LoRA adapters
@@ -205,7 +208,10 @@ class ModelRunner:
         device = self.device
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [T]
-        attention = PagedAttention(self.pool, self._metadata(plan), self.num_heads, self.head_dim)
+        meta = self._metadata(plan)
+        if self.scripted is not None and self.scripted.can_run(meta):
+            return self.scripted(ids, pos, meta)
+        attention = PagedAttention(self.pool, meta, self.num_heads, self.head_dim)
         hidden: torch.Tensor = self.model(ids, pos, attention)  # [T, H]
         return hidden
 

@@ -1,0 +1,172 @@
+"""CPU decode steps run as one TorchScript call (service/engine/torch/scripted_decode.py): its
+hidden states are bitwise those of the eager forward it stands in for, for every linear-layer kind
+and model variant it accepts; where it does not apply, decode steps run eagerly and say why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import Tensor
+
+from service.config import load_settings
+from service.engine.protocol import GenerationRequest, SamplingParams
+from service.engine.torch.engine import TorchEngine
+from service.engine.torch.loading import build_engine
+from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
+from service.engine.torch.scripted_decode import ScriptedDecoder
+from service.serving import config_for
+from tests.test_quantization import _byte_level_tokenizer
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=128,  # int4's group (128) divides every input width
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _checkpoint(directory: Path, architecture: str) -> Path:
+    """A random checkpoint: Llama with biases on every projection, or Qwen3 (q/k norms)."""
+    if architecture == "llama-bias":
+        config: transformers.PretrainedConfig = transformers.LlamaConfig(
+            **SMALL, attention_bias=True, mlp_bias=True
+        )
+    else:
+        config = transformers.Qwen3Config(**SMALL, head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    model.save_pretrained(directory)
+    _byte_level_tokenizer(directory)
+    return directory
+
+
+def _engine(**settings: object) -> TorchEngine:
+    defaults: dict[str, object] = {"num_threads": 2, "max_model_len": 512, "kv_cache_max_tokens": 4096}
+    engine = build_engine(config_for(load_settings(**{**defaults, **settings})))
+    asyncio.run(engine.start())
+    return engine
+
+
+class _BothPaths:
+    """Stands in for the runner's ScriptedDecoder: runs the eager forward and the scripted one on
+    every decode-only step, records whether they agree bitwise, and returns the scripted result."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        runner = engine.runner
+        assert runner.scripted is not None
+        self.runner, self.scripted = runner, runner.scripted
+        self.equal: list[bool] = []
+        self.in_place = 0  # steps whose lone decode read its blocks in place (else gathered)
+        runner.scripted = self  # type: ignore[assignment]
+
+    can_run = staticmethod(ScriptedDecoder.can_run)
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        runner = self.runner
+        attention = PagedAttention(runner.pool, meta, runner.num_heads, runner.head_dim)
+        eager = runner.model(input_ids, positions, attention)
+        scripted = self.scripted(input_ids, positions, meta)  # rewrites the same cache slots alike
+        self.equal.append(torch.equal(eager, scripted))
+        self.in_place += meta.decode_block_run is not None
+        return scripted
+
+
+def _generate(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> None:
+        async for _ in engine.generate(GenerationRequest(f"r{i}", prompt, params)):
+            pass
+
+    async def run() -> None:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    asyncio.run(run())
+
+
+def _assert_bitwise_alike(engine: TorchEngine) -> None:
+    both = _BothPaths(engine)
+    # A lone request (its blocks one run: read in place), then five at once of different lengths
+    # (gathered, batch sizes shrinking from 5 as they finish).
+    _generate(engine, [list(range(3, 40))], max_tokens=24)
+    _generate(engine, [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(5)], max_tokens=20)
+    assert both.equal and all(both.equal), f"{both.equal.count(False)} of {len(both.equal)} steps differ"
+    assert both.in_place >= 20 and len(both.equal) - both.in_place >= 15
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("scripted")
+    return {name: _checkpoint(root / name, name) for name in ("llama-bias", "qwen3")}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "precision"),
+    [
+        ("llama-bias", "bf16"),  # oneDNN-packed bf16 linears (small batches padded where needed)
+        ("llama-bias", "fp32"),
+        ("qwen3", "int8_wo"),
+        ("qwen3", "int4_wo"),
+    ],
+)
+def test_scripted_decode_matches_eager_bitwise(
+    checkpoints: dict[str, Path], tmp_path: Path, architecture: str, precision: str
+) -> None:
+    engine = _engine(
+        model_name=str(checkpoints[architecture]),
+        model_profile=f"torch-generic-{precision}-tp1-pp1-throughput",
+        cache_path=str(tmp_path / "cache"),
+    )
+    try:
+        _assert_bitwise_alike(engine)
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_scripted_decode_matches_eager_on_the_embedded_model() -> None:
+    engine = _engine()  # GGUF Q4_1 weights as int4, bf16 activations and cache
+    try:
+        _assert_bitwise_alike(engine)
+    finally:
+        asyncio.run(engine.stop())
+
+
+@pytest.fixture
+def engine_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    with caplog.at_level(logging.INFO, logger="service.engine.torch.scripted_decode"):
+        yield caplog
+
+
+def test_quantized_kv_cache_decodes_eagerly_and_says_why(engine_log: pytest.LogCaptureFixture) -> None:
+    engine = _engine(kv_cache_dtype="int8")
+    try:
+        assert engine.runner.scripted is None
+        assert "CPU decode steps run eagerly: the int8 KV cache is dequantized" in engine_log.text
+        _generate(engine, [list(range(3, 20))], max_tokens=4)  # and serves
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_enforce_eager_turns_it_off(engine_log: pytest.LogCaptureFixture) -> None:
+    engine = _engine(enforce_eager=True)
+    try:
+        assert engine.runner.scripted is None
+        assert "TorchScript" not in engine_log.text
+    finally:
+        asyncio.run(engine.stop())
