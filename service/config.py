@@ -232,7 +232,7 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(
         False,
         validation_alias=_env("NIM_ENFORCE_EAGER"),
-        description="1: run every step eagerly, without CUDA graphs (for debugging).",
+        description="1: run every step eagerly: no CUDA graphs, no scripted CPU decode step (debugging).",
     )
     fused_kernels: bool = Field(
         False,
