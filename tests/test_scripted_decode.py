@@ -21,19 +21,11 @@ from service.engine.torch.loading import build_engine
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.serving import config_for
-from tests.test_quantization import _byte_level_tokenizer
+from tests.test_quantization import _SMALL, _byte_level_tokenizer
+from tests.test_tensor_parallel import randomize
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=128,  # int4's group (128) divides every input width
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# int4's group (128) divides every input width.
+SMALL = {**_SMALL, "hidden_size": 128, "intermediate_size": 256}
 
 
 def _checkpoint(directory: Path, architecture: str) -> Path:
@@ -46,11 +38,7 @@ def _checkpoint(directory: Path, architecture: str) -> Path:
         config = transformers.Qwen3Config(**SMALL, head_dim=32)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    randomize(model)
     model.save_pretrained(directory)
     _byte_level_tokenizer(directory)
     return directory

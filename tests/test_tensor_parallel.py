@@ -109,14 +109,19 @@ def test_quantized_slices_are_slices_of_the_dequantized_weight(fmt: str) -> None
             slice_columns(quantized, 16, 80, "w")
 
 
-def _checkpoint(directory: Path, **overrides) -> Path:
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_config(**overrides))
+def randomize(model: torch.nn.Module) -> None:
+    """Every parameter random and seeded: norms around 1, the rest small."""
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+
+
+def _checkpoint(directory: Path, **overrides) -> Path:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_config(**overrides))
+    randomize(model)
     model.save_pretrained(directory)
     return directory
 
