@@ -177,3 +177,23 @@ def test_what_does_not_compile_is_a_400_and_serving_goes_on(
     with pytest.raises(openai.BadRequestError, match=message):
         client.completions.create(model=EMBEDDED_NAME, prompt="x", max_tokens=4, extra_body=extra)
     assert client.completions.create(model=EMBEDDED_NAME, prompt="x", max_tokens=2).choices
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ("{}", True),
+        ('{\n  "a": [1, "x"],\n  "b": {"c": null}\n}', True),
+        ('["an array"]', False),  # JSON, but OpenAI's JSON mode promises an object
+        ('"a string"', False),
+        ("42", False),
+    ],
+)
+def test_json_object_mode_admits_objects_only(text: str, accepted: bool) -> None:
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from service.engine.torch.guided import JSON_OBJECT_SCHEMA
+
+    grammar = xgrammar.Grammar.from_json_schema(JSON_OBJECT_SCHEMA)
+    assert _is_grammar_accept_string(grammar, text) is accepted

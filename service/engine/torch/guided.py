@@ -46,6 +46,10 @@ def xgrammar_available() -> bool:
     return True
 
 
+# response_format json_object: any object (arbitrary properties and values), never an array or scalar.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class GrammarCompiler:
     """Compiles GuidedDecoding specs for one tokenizer and vocabulary; thread-safe, cached."""
 
@@ -100,8 +104,8 @@ class GrammarCompiler:
                 return compiler.compile_grammar(grammar.concat(*parts))
             if guided.kind == "json_schema":
                 return compiler.compile_json_schema(guided.spec, any_whitespace=False)
-            if guided.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if guided.kind == "json_object":  # OpenAI's JSON mode: an object, not any JSON value
+                return compiler.compile_json_schema(JSON_OBJECT_SCHEMA)
             if guided.kind == "regex":
                 return compiler.compile_regex(guided.spec)
             if guided.kind == "choice":
