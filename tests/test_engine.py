@@ -13,7 +13,7 @@ import pytest
 
 from service.config import load_settings
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
-from service.engine.torch.engine import TorchEngine
+from service.engine.torch.engine import LoopOutbox, TorchEngine
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
 
@@ -92,6 +92,57 @@ def test_greedy_alone_equals_greedy_in_a_mixed_batch_of_32(engine: TorchEngine) 
     for i in (0, 5, 17, 31):
         alone = run_all(engine, [request(f"a{i}", prompts[i], max_tokens=12)])[f"a{i}"]
         assert alone.token_ids == batch[f"b{i}"].token_ids, i
+    wait_idle(engine)
+
+
+class _RecordingLoop:
+    """Stands in for an event loop: records what the engine thread asks it to run."""
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+
+    def call_soon_threadsafe(self, callback: object) -> None:
+        self.calls.append(callback)
+
+
+def test_outbox_wakes_the_loop_once_per_batch_and_never_while_held() -> None:
+    loop = _RecordingLoop()
+    outbox = LoopOutbox(loop)  # type: ignore[arg-type]
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    out = RequestOutput("r", "x", [1], 3, 1, False)
+    outbox.put(queue, out)
+    outbox.put(queue, out)
+    assert len(loop.calls) == 1  # the second joins the scheduled flush
+    loop.calls.pop()()  # the loop runs the flush
+    assert queue.qsize() == 2
+    with outbox.held():
+        for _ in range(64):
+            outbox.put(queue, out)
+        assert loop.calls == []  # a step's outputs gather; the loop sleeps
+    assert len(loop.calls) == 1  # one wake-up when the step lets go
+    loop.calls.pop()()
+    assert queue.qsize() == 66
+    with outbox.held():
+        pass
+    assert loop.calls == []  # nothing gathered: nothing to wake for
+
+
+def test_a_step_posts_its_outputs_while_holding_the_outbox(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring: every output of a decode step is put while the engine holds the outbox, so
+    the loop wakes once per step, after the step's last output."""
+    held: list[bool] = []
+    original = LoopOutbox.put
+
+    def put(self: LoopOutbox, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
+        held.append(self._held)
+        original(self, queue, out)
+
+    monkeypatch.setattr(LoopOutbox, "put", put)
+    prompts = [prompt_of(engine, 5 + 3 * i, seed=500 + i) for i in range(6)]
+    run_all(engine, [request(f"h{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert len(held) == 6 * 8 and all(held)
     wait_idle(engine)
 
 

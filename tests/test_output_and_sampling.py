@@ -11,7 +11,14 @@ import torch
 
 from service.engine.output import OutputProcessor, StopStringMatcher
 from service.engine.protocol import SamplingParams
-from service.engine.torch.sampler import SamplingRow, filtered_probs, make_generator, sample, top_ids
+from service.engine.torch.sampler import (
+    SamplingRow,
+    filtered_probs,
+    greedy,
+    make_generator,
+    sample,
+    top_ids,
+)
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -199,6 +206,27 @@ def test_ties_rank_in_ascending_token_id_everywhere() -> None:
         assert sample(logits.clone(), [row(top1)])[0].token_id == 3
     top2 = filtered_probs(logits[0], SamplingParams(max_tokens=1, top_k=2))
     assert top2.nonzero().squeeze(1).tolist() == [3, 7]  # exactly k tokens, not every tie
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 2 * 1009, 4099, 100])
+def test_greedy_is_the_first_maximum_in_blocks_and_whole_rows(vocab: int) -> None:
+    """The CPU greedy cuts rows into blocks where a width of 64 to 1024 divides the vocabulary
+    (4099, a prime, and 100 fall back to the whole-row max): it must still answer argmax's first
+    maximum, with ties inside a block, across blocks, at both ends, in rows of -inf, bf16-rounded
+    and strided rows."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=generator).bfloat16().float()  # bf16 steps: many ties
+    top = logits.max()
+    logits[1, [vocab - 1, vocab // 2, 5]] = top + 1  # across blocks: 5 is first
+    logits[2, [vocab - 2, vocab - 1]] = top + 1  # the tail only
+    logits[3, [0, 1]] = top + 1  # the head only
+    logits[4] = -math.inf  # everything masked: argmax answers 0
+    logits[5] = 7.0  # all tied
+    logits[6, vocab - 1] = top + 1  # the last id
+    expected = torch.argmax(logits, dim=-1)
+    assert greedy(logits).tolist() == expected.tolist()
+    assert greedy(logits[::2]).tolist() == expected[::2].tolist()  # not contiguous
+    assert greedy(logits[3:4]).tolist() == [0]
 
 
 def test_sampling_follows_the_distribution() -> None:

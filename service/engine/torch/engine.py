@@ -8,8 +8,8 @@ Step loop (all on the engine thread):
      becomes a plain StepPlan;
   3. the model runner runs the plan: one forward pass over the mixed batch, then sampling;
   4. output processing detokenizes, checks stop conditions and posts each request's delta to
-     its asyncio queue; finished requests free their blocks at once; a stats snapshot is
-     published for metering.
+     its asyncio queue (the event loop is woken once, after the step's last delta); finished
+     requests free their blocks at once; a stats snapshot is published for metering.
 
 LoRA: a request naming an adapter takes a device slot at admission (shared with the other
 requests of that adapter; the adapter's weights are copied in when the slot held another) and
@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -82,26 +82,50 @@ class LoopOutbox:
     """Hands outputs from the engine thread to one event loop's queues, a batch at a time.
 
     The first output after a flush schedules the next flush (one wake-up of the event loop); the
-    rest of a step's outputs join the batch without another: a step of 64 sequences wakes the
-    loop once, not 64 times.
+    rest join the batch without another. While the engine holds the outbox (across one step's
+    output processing) outputs only gather, and letting go schedules the flush: a step of 64
+    sequences wakes the loop once, not 64 times, and never before its last output is in (a loop
+    woken by the first output would take the interpreter lock from the step to flush a few).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []
+        self._flush_scheduled = False
+        self._held = False
 
     def put(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
         with self._lock:
             self._items.append((queue, out))
-            if len(self._items) > 1:
-                return  # a flush is already scheduled
+            if self._held or self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        self._schedule_flush()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Gather outputs without waking the loop; the flush is scheduled on leaving."""
+        with self._lock:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held = False
+                wake = bool(self._items) and not self._flush_scheduled
+                self._flush_scheduled |= wake
+            if wake:
+                self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
             self.loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         with self._lock:
             items, self._items = self._items, []
+            self._flush_scheduled = False
         for outputs, out in items:
             outputs.put_nowait(out)
 
@@ -231,6 +255,7 @@ class TorchEngine:
         self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopOutbox] = (
             weakref.WeakKeyDictionary()
         )
+        self._outboxes_lock = threading.Lock()  # event loops add outboxes; the engine holds them
 
     # --- Engine protocol (event-loop side) ------------------------------------------------------
 
@@ -332,9 +357,10 @@ class TorchEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
-        outbox = self._outboxes.get(loop)
-        if outbox is None:
-            outbox = self._outboxes[loop] = LoopOutbox(loop)
+        with self._outboxes_lock:
+            outbox = self._outboxes.get(loop)
+            if outbox is None:
+                outbox = self._outboxes[loop] = LoopOutbox(loop)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         sink = functools.partial(outbox.put, outputs)
 
@@ -543,7 +569,12 @@ class TorchEngine:
         plan = self._plan(scheduled)
         result = self.runner.execute(plan)
         self.scheduler.step_done(scheduled)
-        self._apply(plan, result)
+        with contextlib.ExitStack() as holding:
+            with self._outboxes_lock:
+                outboxes = list(self._outboxes.values())
+            for outbox in outboxes:
+                holding.enter_context(outbox.held())
+            self._apply(plan, result)
         self._publish_stats(plan, time.perf_counter() - started)
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:

@@ -133,7 +133,10 @@ class ModelRunner:
             return StepResult([], prompt_logprobs)
         rows = [spans[i][1] - 1 for i in sampling]
         states = [self._rows[plan.request_ids[i]] for i in sampling]
-        picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        if rows == list(range(logits.shape[0])):  # every row samples (decode): no copy
+            picked = logits
+        else:
+            picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         self._constrain(picked, states)
         sampled = sample(picked, [state.row() for state in states])
         for state, token in zip(states, sampled, strict=True):

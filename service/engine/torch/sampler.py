@@ -14,6 +14,7 @@ first of its top logprobs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,9 +95,35 @@ def top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B]: each row's first largest logit, as argmax defines it (max's indices are the
-    same first maxima, computed about 1.7x faster on CPU)."""
-    return logits.max(dim=-1).indices
+    """[B, V] -> [B]: each row's first largest logit, as argmax defines it.
+
+    On the CPU, a max with indices over the whole row is a scalar loop (0.8 ms for 32 rows of
+    49152 on two cores); the vectorised max without indices is 8x faster. So each row is cut into
+    blocks: the first block whose max is the row's max holds the first largest logit, and a max
+    with indices runs over that block alone (0.17 ms). Elsewhere, or when no block width divides
+    the vocabulary, max's indices (the same first maxima as argmax, and faster).
+    """
+    width = _block_width(logits.shape[-1]) if logits.device.type == "cpu" else 0
+    if not width or not logits.is_contiguous():
+        return logits.max(dim=-1).indices
+    rows = logits.shape[0]
+    blocks = logits.view(rows, -1, width)  # [B, N, W]
+    block_max = blocks.amax(dim=-1)  # [B, N]
+    row_max = block_max.amax(dim=-1, keepdim=True)  # [B, 1]
+    # The first block holding the row's max. A NaN row matches no block: block 0, any valid id.
+    first = (block_max == row_max).to(torch.uint8).argmax(dim=-1)  # [B]
+    chosen = blocks[torch.arange(rows, device=logits.device), first]  # [B, W]
+    return first * width + chosen.max(dim=-1).indices
+
+
+@functools.cache
+def _block_width(vocab_size: int) -> int:
+    """The widest block of at most 1024 logits that cuts a row evenly into two or more, if one of
+    at least 64 does; else 0 (the whole-row max)."""
+    for width in range(min(1024, vocab_size // 2), 63, -1):
+        if vocab_size % width == 0:
+            return width
+    return 0
 
 
 def _raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> dict[int, torch.Tensor]:
