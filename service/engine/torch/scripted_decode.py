@@ -265,7 +265,7 @@ class ScriptedDecoder:
             missing = [name for name, args in found.items() if args is None]
             if missing:
                 kind = type(modules[missing[0]]).__name__
-                reason = f"layer {index}'s {missing[0]} is a {kind}, which only runs its own forward"
+                reason = f"layer {index}'s {missing[0]} ({kind}) runs only through its own forward"
                 break
             layers.append([args for args in found.values() if args is not None])
         started = time.monotonic()
