@@ -106,8 +106,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     width = _block_width(logits.shape[-1]) if logits.device.type == "cpu" else 0
     if not width or not logits.is_contiguous():
         return logits.max(dim=-1).indices
-    rows = logits.shape[0]
-    blocks = logits.view(rows, -1, width)  # [B, N, W]
+    rows, vocab_size = logits.shape
+    blocks = logits.view(rows, vocab_size // width, width)  # [B, N, W]
     block_max = blocks.amax(dim=-1)  # [B, N]
     row_max = block_max.amax(dim=-1, keepdim=True)  # [B, 1]
     # The first block holding the row's max. A NaN row matches no block: block 0, any valid id.
