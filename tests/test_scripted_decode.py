@@ -18,6 +18,7 @@ from service.config import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
+from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.serving import config_for
@@ -156,5 +157,24 @@ def test_enforce_eager_turns_it_off(engine_log: pytest.LogCaptureFixture) -> Non
     try:
         assert engine.runner.scripted is None
         assert "TorchScript" not in engine_log.text
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_lora_decodes_eagerly_and_says_why(
+    checkpoints: dict[str, Path], tmp_path: Path, engine_log: pytest.LogCaptureFixture
+) -> None:
+    """The engine offers every CPU model to the scripted step, which refuses LoRA-wrapped
+    projections itself (one place decides, and logs the reason)."""
+    engine = _engine(
+        model_name=str(checkpoints["llama-bias"]),
+        model_profile="torch-generic-fp32-tp1-pp1-throughput",
+        cache_path=str(tmp_path / "cache"),
+    )
+    try:
+        assert engine.runner.scripted is not None
+        LoraSlots.attach(engine.model, num_slots=1, max_rank=4)
+        assert ScriptedDecoder.build(engine.model, engine.kv_pool) is None
+        assert "CPU decode steps run eagerly: LoRA adapters wrap the projections" in engine_log.text
     finally:
         asyncio.run(engine.stop())

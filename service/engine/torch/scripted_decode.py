@@ -5,7 +5,8 @@ model issues ~40 Python-level tensor calls per layer (~1,200 a step), each parsi
 and dispatching before its kernel runs. For a decode-only step (every sequence one token, no
 prefill chunk) `ScriptedDecoder` runs every decoder layer in one `torch.jit.script` function: the
 TorchScript interpreter dispatches the same ATen ops from C++ (and without the GIL, so the HTTP
-thread runs beside it). At batch 1 this takes ~20% off the step (bench/README.md).
+thread runs beside it). At batch 1 this takes 20-40% off the step, depending on the run
+(bench/README.md).
 
 Invariant: the scripted stack calls the same ops, in the same order, on the same tensors as the
 eager path (LlamaDecoderLayer and its linears, KVPool.write / gather_pair / run_pair and
@@ -14,9 +15,8 @@ numerics against transformers hold unchanged (tests/test_scripted_decode.py hold
 together; a change to either side must keep it). Steps with prefill chunks run eagerly.
 
 Where it does not apply the engine runs decode steps eagerly and says why once at start-up:
-tensor parallelism, LoRA (the engine does not build it then), a quantized KV cache, or a linear
-layer other than the CPU's native ones (float, oneDNN-packed, int4 and int8 weight-only).
-NIM_ENFORCE_EAGER=1 turns it off.
+tensor parallelism, LoRA, a quantized KV cache, or a linear layer other than the CPU's native
+ones (float, oneDNN-packed, int4 and int8 weight-only). NIM_ENFORCE_EAGER=1 turns it off.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from service.engine.models.cpu_linear import MIN_ROWS, PackedLinear
 from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.models.quant_linear import Int4Linear, Int8Linear
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata
@@ -252,9 +253,7 @@ class ScriptedDecoder:
         steps must run eagerly."""
         reason = cls._unsupported(model, pool)
         layers: list[list[LinearArgs]] = []
-        for index, layer in enumerate(model.model.decoder_layers()):
-            if reason is not None:
-                break
+        for index, layer in enumerate(model.model.decoder_layers() if reason is None else []):
             modules = {
                 "qkv_proj": layer.self_attn.qkv_proj,
                 "o_proj": layer.self_attn.o_proj,
@@ -293,6 +292,8 @@ class ScriptedDecoder:
             return f"the KV cache holds {pool.data[0].dtype}, the activations are {dtype}"
         if model.tp is not None:
             return "tensor parallelism all-reduces between the layers"
+        if any(isinstance(module, AdaptedLinear) for module in model.modules()):
+            return "LoRA adapters wrap the projections"
         if model.model.embed_tokens.weight.device.type != "cpu":
             return "the model is not on the CPU"
         return None
