@@ -224,9 +224,15 @@ def test_greedy_is_the_first_maximum_in_blocks_and_whole_rows(vocab: int) -> Non
     logits[5] = 7.0  # all tied
     logits[6, vocab - 1] = top + 1  # the last id
     expected = torch.argmax(logits, dim=-1)
-    assert greedy(logits).tolist() == expected.tolist()
-    assert greedy(logits[::2]).tolist() == expected[::2].tolist()  # not contiguous
-    assert greedy(logits[3:4]).tolist() == [0]
+    values, ids = greedy(logits)
+    assert ids.tolist() == expected.tolist()
+    assert values.tolist() == logits.amax(dim=-1).tolist()
+    assert greedy(logits[::2])[1].tolist() == expected[::2].tolist()  # not contiguous
+    assert greedy(logits[3:4])[1].tolist() == [0]
+    logits[7, vocab // 3] = math.nan  # a NaN row says so in its value
+    values, ids = greedy(logits)
+    assert math.isnan(values[7]) and ids.tolist()[:7] == expected.tolist()[:7]
+    assert 0 <= int(ids[7]) < vocab
 
 
 def test_sampling_follows_the_distribution() -> None:

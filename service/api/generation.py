@@ -190,6 +190,8 @@ def client_finish_reason(out: RequestOutput) -> FinishReason | None:
 
 def engine_error(out: RequestOutput) -> APIError:
     """What the client is told when `ended_badly(out)`."""
+    if out.error is not None and out.error_cause == "request":
+        return invalid_request(f"generation failed: {out.error}", None, "invalid_generation")
     if out.error is not None:
         return APIError(500, f"generation failed: {out.error}", "server_error", None, "engine_error")
     return service_unavailable("generation was cancelled: the server is shutting down", 5)

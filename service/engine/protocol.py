@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 from service.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
+ErrorCause = Literal["request", "engine"]  # whose fault a failed request was
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 
@@ -103,7 +104,10 @@ class RequestOutput:
 
     A finished output has exactly one of `finish_reason` (stop: a stop token or string; length:
     max_tokens or the context; abort: cancelled, by the client leaving or the server shutting
-    down) and `error` (the engine failed the request; the message says why).
+    down) and `error` (the engine failed the request; the message says why). `error_cause` says
+    whose the failure was: "request" when the request itself could not be served (a constraint
+    no text satisfies, sampling parameters the model's output defeats), "engine" otherwise.
+    Either way only that request ended; the engine and every other request go on.
     """
 
     request_id: str
@@ -114,6 +118,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_cause: ErrorCause = "engine"
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
     num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache

@@ -50,6 +50,7 @@ from service.engine.protocol import (
     EngineDeadError,
     EngineInfo,
     EngineStats,
+    ErrorCause,
     FinishReason,
     GenerationRequest,
     RequestOutput,
@@ -568,6 +569,8 @@ class TorchEngine:
             return
         plan = self._plan(scheduled)
         result = self.runner.execute(plan)
+        for request_id, failure in result.failed.items():  # before their blocks are published
+            self._fail(request_id, failure.message, failure.cause)
         self.scheduler.step_done(scheduled)
         with contextlib.ExitStack() as holding:
             with self._outboxes_lock:
@@ -620,17 +623,51 @@ class TorchEngine:
         for request_id, token in zip(sampling_ids, result.sampled, strict=True):
             live = self._live.get(request_id)
             if live is None:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or its row failed
             request = live.request
             request.token_ids.append(token.token_id)
-            text, reason = live.output.process(token.token_id)
+            try:
+                text, reason = live.output.process(token.token_id)
+            except Exception as exc:  # its detokenizer or stop strings: this request alone fails
+                log.exception("request %s: output processing failed", request_id)
+                self._fail(request_id, f"output processing failed: {one_line(exc)}", "engine")
+                continue
             if reason is not None:
-                self.scheduler.finish(request)
-                del self._live[request_id]
-                self._release_slot(live)
-                self._ended.append(request_id)
+                self._end(live)
             logprobs = [token.logprob] if token.logprob else None
             self._emit(live, text, [token.token_id], reason, logprobs, now)
+
+    def _end(self, live: _Live) -> None:
+        """`live` is done: its blocks and slot are freed now; the runner forgets it next step."""
+        request_id = live.request.request_id
+        if self.scheduler.abort(request_id) is None and request_id in self._slot_waiting:
+            self._slot_waiting.remove(request_id)
+        del self._live[request_id]
+        self._release_slot(live)
+        self._ended.append(request_id)
+
+    def _fail(self, request_id: str, message: str, cause: ErrorCause) -> None:
+        """End one request with an error; the step, the batch and the engine go on."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        log.warning("request %s failed: %s", request_id, message)
+        self._end(live)
+        request = live.request
+        live.sink(
+            RequestOutput(
+                request_id=request_id,
+                text="",
+                token_ids=[],
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_generated_tokens=request.num_generated,
+                finished=True,
+                error=message,
+                error_cause=cause,
+                num_cached_tokens=request.num_cached_tokens,
+                time=time.monotonic(),
+            )
+        )
 
     def _emit(
         self,

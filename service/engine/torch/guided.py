@@ -136,9 +136,9 @@ class GuidedRow:
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
-    def accept(self, token_id: int) -> None:
-        if not self.matcher.accept_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}, which its own mask allowed")
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False if the grammar refuses it (the request must end)."""
+        return bool(self.matcher.accept_token(token_id))
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,12 @@
 The runner owns what lasts beyond a step but is not scheduling: each live request's sampling
 state (its random generator, the tokens penalties look at) and the model. Everything it is told
 arrives in the plan, so it could run in another process.
+
+Failure domains: what goes wrong in one request's row (its grammar admits no token or cannot be
+matched, its sampling parameters fail, its logits are NaN, its prompt logprobs cannot be taken)
+is reported in `StepResult.failed` and ends that request alone; every other row of the batch is
+computed and sampled exactly as without it (sampling is per row). An exception from the step
+itself (the forward pass: device, collective, memory) propagates and fails the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Protocol
 import torch
 
 from service.engine.models.llama import LlamaForCausalLM
-from service.engine.protocol import TokenLogprob
+from service.engine.protocol import ErrorCause, TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.guided import GrammarCompiler, GuidedRow
 from service.engine.torch.kv_pool import KVPool
@@ -26,10 +32,17 @@ from service.engine.torch.paged_attention import (
     decode_mask,
     prefill_mask,
 )
-from service.engine.torch.sampler import SampledToken, SamplingRow, make_generator, sample, token_logprob
+from service.engine.torch.sampler import (
+    NOT_A_NUMBER,
+    SampledToken,
+    SamplingRow,
+    make_generator,
+    sample,
+    token_logprob,
+)
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.engine.torch.step_plan import NewRequest, StepPlan
-from service.util import cdiv
+from service.util import cdiv, one_line
 
 
 class Followers(Protocol):
@@ -59,12 +72,22 @@ class _RowState:
 
 
 @dataclass(frozen=True)
+class RowFailure:
+    """Why one request's row failed this step (the request ends with this error)."""
+
+    message: str
+    cause: ErrorCause  # "request": the request's own fault (a 400 before its response starts)
+
+
+@dataclass(frozen=True)
 class StepResult:
     """`sampled[i]` is the token of the i-th sequence whose plan said `sample` (plan order);
-    `prompt_logprobs` maps request ids to the prompt logprobs this step computed, in order."""
+    `prompt_logprobs` maps request ids to the prompt logprobs this step computed, in order;
+    `failed` maps the requests whose rows failed to why (their entries elsewhere mean nothing)."""
 
     sampled: list[SampledToken]
     prompt_logprobs: dict[str, list[TokenLogprob]]
+    failed: dict[str, RowFailure] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -111,14 +134,19 @@ class ModelRunner:
         self.fill_slots(plan)
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
+        failed: dict[str, RowFailure] = {}
         for new in plan.new_requests:
             state = _RowState(new, make_generator(new.sampling, self.device), list(new.prompt_token_ids))
+            self._rows[new.request_id] = state
             if new.sampling.guided is not None:
                 assert self.grammars is not None, "a constrained request reached an engine without grammars"
-                state.guided = self.grammars().matcher(new.sampling.guided)
-            self._rows[new.request_id] = state
+                try:
+                    state.guided = self.grammars().matcher(new.sampling.guided)
+                except Exception as exc:  # its grammar, not the step: this request alone fails
+                    why = f"structured output failed: {one_line(exc)}"
+                    failed[new.request_id] = RowFailure(why, "request")
         if not plan.request_ids:
-            return StepResult([], {})
+            return StepResult([], {}, failed)
         if self.decode_graphs is not None and not plan.adapted and self.decode_graphs.can_run(plan):
             logits = self.decode_graphs.run(plan)  # [S, V]: every sequence decodes and samples
             spans = [(i, i + 1) for i in range(plan.num_sequences)]
@@ -127,37 +155,72 @@ class ModelRunner:
                 self.followers.send(plan)
             logits, spans = self.forward(plan)
 
-        prompt_logprobs = self._prompt_logprobs(plan, logits, spans)
+        prompt_logprobs = self._prompt_logprobs(plan, logits, spans, failed)
         sampling = [i for i, s in enumerate(plan.sample) if s]
         if not sampling:
-            return StepResult([], prompt_logprobs)
+            return StepResult([], prompt_logprobs, failed)
         rows = [spans[i][1] - 1 for i in sampling]
-        states = [self._rows[plan.request_ids[i]] for i in sampling]
+        request_ids = [plan.request_ids[i] for i in sampling]
+        states = [self._rows[request_id] for request_id in request_ids]
         if rows == list(range(logits.shape[0])):  # every row samples (decode): no copy
             picked = logits
         else:
             picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
-        self._constrain(picked, states)
+        self._constrain(picked, request_ids, states, failed)
         sampled = sample(picked, [state.row() for state in states])
-        for state, token in zip(states, sampled, strict=True):
+        for request_id, state, token in zip(request_ids, states, sampled, strict=True):
+            if request_id in failed:
+                continue
+            if token.error is not None:
+                cause: ErrorCause = "engine" if token.error == NOT_A_NUMBER else "request"
+                failed[request_id] = RowFailure(token.error, cause)
+                continue
             state.token_ids.append(token.token_id)
-            if state.guided is not None:
-                state.guided.accept(token.token_id)
-        return StepResult(sampled, prompt_logprobs)
+            if state.guided is not None and not state.guided.accept(token.token_id):
+                failed[request_id] = RowFailure(
+                    f"the grammar refused token {token.token_id}, which its own mask allowed", "engine"
+                )
+        return StepResult(sampled, prompt_logprobs, failed)
 
-    def _constrain(self, logits: torch.Tensor, states: list[_RowState]) -> None:
-        """Mask the constrained rows of logits [R, V] to the tokens their grammars allow."""
+    def _constrain(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        states: list[_RowState],
+        failed: dict[str, RowFailure],
+    ) -> None:
+        """Mask the constrained rows of logits [R, V] to the tokens their grammars allow. A row
+        whose grammar allows no token at all (no text satisfies the constraint) fails."""
         constrained = [j for j, state in enumerate(states) if state.guided is not None]
         if not constrained:
             return
         assert self.grammars is not None
         grammars = self.grammars()
-        bitmask = grammars.bitmask(len(states))
+        bitmask = grammars.bitmask(len(states))  # [R, ceil(V / 32)] int32, on the host
+        filled = []
         for j in constrained:
             guided = states[j].guided
             assert guided is not None
-            guided.fill(bitmask, j)
-        grammars.apply(logits, bitmask, constrained)
+            try:
+                guided.fill(bitmask, j)
+            except Exception as exc:  # its grammar's state, not the step
+                failed[request_ids[j]] = RowFailure(f"structured output failed: {one_line(exc)}", "request")
+                continue
+            filled.append(j)
+        if not filled:
+            return
+        allows_some = bitmask[filled].ne(0).any(dim=1).tolist()
+        for j, allowed in zip(filled, allows_some, strict=True):
+            if not allowed:
+                state = states[j]
+                kind = state.new.sampling.guided.kind if state.new.sampling.guided else "structured output"
+                generated = len(state.token_ids) - len(state.new.prompt_token_ids)
+                failed[request_ids[j]] = RowFailure(
+                    f"the {_CONSTRAINT_NAMES.get(kind, kind)} admits no token after {generated} generated "
+                    "tokens: no text can satisfy it",
+                    "request",
+                )
+        grammars.apply(logits, bitmask, filled)
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """One eager forward pass; the logits of the rows that need them, and each sequence's span.
@@ -184,28 +247,46 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index)), spans  # [R, V] float32
 
     def _prompt_logprobs(
-        self, plan: StepPlan, logits: torch.Tensor, spans: list[tuple[int, int]]
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        failed: dict[str, RowFailure],
     ) -> dict[str, list[TokenLogprob]]:
         """Row j of a chunk starting at position p predicts token p + j + 1: keep those in the prompt."""
         found: dict[str, list[TokenLogprob]] = {}
         for i, wants in enumerate(plan.prompt_logits):
             if not wants:
                 continue
-            state = self._rows[plan.request_ids[i]]
-            prompt = state.new.prompt_token_ids
-            top_n = state.new.sampling.prompt_logprobs or 0
-            start = plan.context_lens[i] - plan.query_lens[i]
-            entries = found.setdefault(plan.request_ids[i], [])
-            first, _ = spans[i]
-            for j in range(plan.query_lens[i]):
-                target = start + j + 1
-                # Already returned (a recomputation after preemption) or past the prompt: skip.
-                if target >= len(prompt) or target <= state.num_prompt_logprobs:
-                    continue
-                logprobs = torch.log_softmax(logits[first + j], dim=-1)
-                entries.append(token_logprob(logprobs, prompt[target], top_n))
-                state.num_prompt_logprobs = target
+            try:
+                self._prompt_logprobs_of(plan, i, logits, spans, found)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                failed[plan.request_ids[i]] = RowFailure(f"prompt logprobs failed: {one_line(exc)}", "engine")
         return found
+
+    def _prompt_logprobs_of(
+        self,
+        plan: StepPlan,
+        i: int,
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        found: dict[str, list[TokenLogprob]],
+    ) -> None:
+        """Request i's prompt logprobs from this step's rows, appended to found[its id]."""
+        state = self._rows[plan.request_ids[i]]
+        prompt = state.new.prompt_token_ids
+        top_n = state.new.sampling.prompt_logprobs or 0
+        start = plan.context_lens[i] - plan.query_lens[i]
+        entries = found.setdefault(plan.request_ids[i], [])
+        first, _ = spans[i]
+        for j in range(plan.query_lens[i]):
+            target = start + j + 1
+            # Already returned (a recomputation after preemption) or past the prompt: skip.
+            if target >= len(prompt) or target <= state.num_prompt_logprobs:
+                continue
+            logprobs = torch.log_softmax(logits[first + j], dim=-1)
+            entries.append(token_logprob(logprobs, prompt[target], top_n))
+            state.num_prompt_logprobs = target
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         device = self.device
@@ -280,3 +361,12 @@ class ModelRunner:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""
         padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
         return self.pool.head_block_ids(torch.tensor(padded, dtype=torch.long, device=self.device))
+
+
+_CONSTRAINT_NAMES = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object format",
+    "regex": "regular expression",
+    "choice": "choice list",
+    "grammar": "grammar",
+}

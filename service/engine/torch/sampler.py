@@ -10,17 +10,23 @@ Equal values rank in ascending token id, argmax's convention, wherever tokens ar
 greedy choice, top_k's k, the top logprobs): bfloat16 logits tie exactly (their step is 0.125
 between 16 and 32), and top_k=1 must then still be the greedy answer, and the greedy answer the
 first of its top logprobs.
+
+Failure domain: a row's own parameters can fail its sampling (a logit_bias or penalty the
+logits reject, a distribution left empty), and its logits can be NaN (an overflow in that
+request's computation). Such a row gets a SampledToken with `error` set and its request ends;
+the other rows are sampled exactly as they would have been without it.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from service.engine.protocol import SamplingParams, TokenLogprob
+from service.util import one_line
 
 
 @dataclass
@@ -54,6 +60,7 @@ class SamplingRow:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+    error: str | None = None  # the row could not be sampled (token_id means nothing then)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
@@ -66,22 +73,52 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-    """logits: [B, V] float32 (modified in place) -> one token per row."""
+    """logits: [B, V] float32 (modified in place) -> one token per row (or the row's error)."""
     if all(row.plain_greedy for row in rows):  # the common case: one argmax, one copy to the host
-        return [SampledToken(token_id) for token_id in greedy(logits).tolist()]
+        values, chosen = greedy(logits)
+        return _checked([SampledToken(t) for t in chosen.tolist()], values)
     raw_logprobs = _raw_logprobs(logits, rows)
-    _apply_constraints(logits, rows)
-    chosen = greedy(logits)  # [B]; final for greedy rows
+    errors: dict[int, str] = {}
     for i, row in enumerate(rows):
-        if not row.params.greedy:
+        try:
+            _apply_constraints(logits[i], row)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            errors[i] = f"sampling failed: {one_line(exc)}"
+    values, chosen = greedy(logits)  # [B]; final for greedy rows
+    for i, row in enumerate(rows):
+        if row.params.greedy or i in errors:
+            continue
+        try:
             probs = filtered_probs(logits[i], row.params)
             if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
                 chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
-            # else: extreme parameters left no valid distribution; the argmax stands (never crash the step)
-    ids = chosen.tolist()
+            # else: extreme parameters left no valid distribution; the argmax stands
+        except (RuntimeError, ValueError, IndexError) as exc:
+            errors[i] = f"sampling failed: {one_line(exc)}"
+    tokens = []
+    for i, token_id in enumerate(chosen.tolist()):
+        if i in errors:
+            tokens.append(SampledToken(token_id, error=errors[i]))
+            continue
+        try:
+            logprob = _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs)
+            tokens.append(SampledToken(token_id, logprob))
+        except (RuntimeError, ValueError, IndexError) as exc:
+            tokens.append(SampledToken(token_id, error=f"logprobs failed: {one_line(exc)}"))
+    return _checked(tokens, values)
+
+
+NOT_A_NUMBER = "the model's output for this request is not a number (NaN); it was ended"
+
+
+def _checked(tokens: list[SampledToken], values: torch.Tensor) -> list[SampledToken]:
+    """Rows whose largest logit is NaN (the max propagates NaN) fail: no token means anything."""
+    nan = torch.isnan(values)
+    if not bool(nan.any()):
+        return tokens
     return [
-        SampledToken(token_id, _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs))
-        for i, token_id in enumerate(ids)
+        replace(token, error=NOT_A_NUMBER) if bad and token.error is None else token
+        for token, bad in zip(tokens, nan.tolist(), strict=True)
     ]
 
 
@@ -94,8 +131,9 @@ def top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
     return candidates[order]
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B]: each row's first largest logit, as argmax defines it.
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] -> ([B] largest values, [B] their ids): each row's first largest logit, as argmax
+    defines it. A row holding a NaN has a NaN largest value (its id is any valid id).
 
     On the CPU, a max with indices over the whole row is a scalar loop (0.8 ms for 32 rows of
     49152 on two cores); the vectorised max without indices is 8x faster. So each row is cut into
@@ -105,7 +143,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """
     width = _block_width(logits.shape[-1]) if logits.device.type == "cpu" else 0
     if not width or not logits.is_contiguous():
-        return logits.max(dim=-1).indices
+        found = logits.max(dim=-1)
+        return found.values, found.indices
     rows, vocab_size = logits.shape
     blocks = logits.view(rows, vocab_size // width, width)  # [B, N, W]
     block_max = blocks.amax(dim=-1)  # [B, N]
@@ -113,7 +152,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     # The first block holding the row's max. A NaN row matches no block: block 0, any valid id.
     first = (block_max == row_max).to(torch.uint8).argmax(dim=-1)  # [B]
     chosen = blocks[torch.arange(rows, device=logits.device), first]  # [B, W]
-    return first * width + chosen.max(dim=-1).indices
+    return row_max.squeeze(1), first * width + chosen.max(dim=-1).indices
 
 
 @functools.cache
@@ -154,16 +193,16 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLog
     return TokenLogprob(token_id=token_id, logprob=chosen, rank=rank, top=top)
 
 
-def _apply_constraints(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.min_tokens and row.num_generated < p.min_tokens and row.end_token_ids:
-            logits[i, list(row.end_token_ids)] = float("-inf")
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=logits.device)
-            logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=logits.device))
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            _apply_penalties(logits[i], row)
+def _apply_constraints(logits: torch.Tensor, row: SamplingRow) -> None:
+    """logits: [V] of one row, adjusted in place by that row's parameters."""
+    p = row.params
+    if p.min_tokens and row.num_generated < p.min_tokens and row.end_token_ids:
+        logits[list(row.end_token_ids)] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=logits.device))
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        _apply_penalties(logits, row)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
