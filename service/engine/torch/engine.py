@@ -175,9 +175,11 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Wake:
-    """An adapter finished reading into host memory: requests parked on it may take a slot."""
+    """An adapter finished reading into host memory: requests parked on it may take a slot.
+    With `error`, it could not be read: requests parked on it fail with that reason."""
 
     adapter: str
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -445,6 +447,10 @@ class TorchEngine:
         elif isinstance(item, _Wake):
             self._reading.discard(item.adapter)
             self._slot_freed = True
+            if item.error is not None:
+                waiting_on = [r for r in self._slot_waiting if self._live[r].adapter == item.adapter]
+                for request_id in waiting_on:
+                    self._fail(request_id, item.error, "request")
         elif isinstance(item, _Submit):
             try:
                 self._admit(item)
@@ -531,8 +537,10 @@ class TorchEngine:
         self._reading.add(name)
         assert self.adapters is not None
 
-        def done(_: Future[None]) -> None:
-            self._inbox.put(_Wake(name))
+        def done(reading: Future[None]) -> None:
+            error = None if reading.cancelled() else reading.exception()
+            why = f"LoRA adapter {name} cannot be loaded: {one_line(error)}" if error is not None else None
+            self._inbox.put(_Wake(name, why))
 
         self._adapter_reader.submit(self.adapters.prepare, name).add_done_callback(done)
 
@@ -544,16 +552,8 @@ class TorchEngine:
             live = self._live[request_id]
             try:
                 placed = self._take_slot(live)
-            except UnknownAdapterError:  # removed from the source while it waited
-                self._slot_waiting.remove(request_id)
-                del self._live[request_id]
-                message = f"LoRA adapter {live.adapter} is no longer served"
-                num_prompt = live.request.num_prompt_tokens
-                live.sink(
-                    RequestOutput(
-                        request_id, "", [], num_prompt, 0, True, error=message, time=time.monotonic()
-                    )
-                )
+            except UnknownAdapterError:  # removed from the source (or found bad) while it waited
+                self._fail(request_id, f"LoRA adapter {live.adapter} is no longer served", "request")
                 continue
             if placed:
                 self._slot_waiting.remove(request_id)
