@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from service.engine.lora import (
     AdapterError,
@@ -67,7 +68,40 @@ def write_adapter(
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     saved = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
     saved.update(settings)
-    (directory / "adapter_config.json").write_text(json.dumps(saved))
+    (directory / "adapter_config.json").write_text(json.dumps(saved))  # NaN / Infinity as Python writes them
+    return directory
+
+
+def poison(directory: Path, value: float = float("nan")) -> Path:
+    """Put `value` into one element of an adapter's first lora_A (layer 0, its first module)."""
+    path = directory / "adapter_model.safetensors"
+    tensors = load_file(path)
+    key = min(k for k in tensors if k.endswith("lora_A.weight") and ".layers.0." in k)
+    tensors[key][0, 0] = value
+    save_file(tensors, str(path))
+    return directory
+
+
+def lie_about_offsets(directory: Path, extra: int = 64) -> Path:
+    """Rewrite an adapter's weights file so that its header claims `extra` bytes more for one
+    tensor than the file holds (the file's size unchanged)."""
+    path = directory / "adapter_model.safetensors"
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    header[last]["data_offsets"][1] += extra
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    return directory
+
+
+def truncate(directory: Path, keep: float = 0.5) -> Path:
+    """Cut an adapter's weights file to a fraction of its size, as a half-finished copy leaves it."""
+    path = directory / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
     return directory
 
 
@@ -126,6 +160,114 @@ def test_bad_weights_are_refused_with_the_reason(tmp_path: Path) -> None:
     _refused_with(tmp_path / "deep", deep, "targets layer 5; the model has 2")
     misplaced = {"base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 64)}
     _refused_with(tmp_path / "misplaced", misplaced, "puts q_proj under mlp")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lora_alpha": float("nan")}, "positive lora_alpha .a finite number., has nan"),
+        ({"lora_alpha": float("inf")}, "positive lora_alpha .a finite number., has inf"),
+        ({"lora_alpha": -2.0}, "positive lora_alpha"),
+        ({"r": 4.0}, r"positive r \(an integer\), has 4.0"),
+        ({"r": True}, "positive r"),
+        ({"alpha_pattern": {"q_proj": float("nan")}}, r"alpha_pattern\['q_proj'\] must be a finite positive"),
+        (
+            {"alpha_pattern": {"q_proj": float("-inf")}},
+            r"alpha_pattern\['q_proj'\] must be a finite positive",
+        ),
+        ({"alpha_pattern": {"q_proj": "8"}}, r"alpha_pattern\['q_proj'\] must be a finite positive"),
+        ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\] must be a positive integer, not 0"),
+        ({"rank_pattern": {"q_proj": 4.5}}, r"rank_pattern\['q_proj'\] must be a positive integer"),
+        ({"rank_pattern": {"q_proj(": 4}}, r"rank_pattern key 'q_proj\(' is not a valid regular expression"),
+        ({"alpha_pattern": {"(?i)q_proj": 4}}, r"alpha_pattern key '\(\?i\)q_proj' is not a valid regular"),
+        ({"rank_pattern": {"q{99999999999}": 4}}, "is not a valid regular expression"),
+        ({"rank_pattern": ["q_proj"]}, "rank_pattern must be an object"),
+    ],
+)
+def test_scales_and_patterns_are_checked_in_full(tmp_path: Path, change: dict, message: str) -> None:
+    """NaN and Infinity (which Python's JSON reader accepts), non-integer ranks and patterns that
+    do not compile are refused with the adapter's name, never served or raised as another error."""
+    directory = write_adapter(tmp_path / "bad", seed=3, **change)
+    with pytest.raises(AdapterError, match=rf"^adapter bad: .*{message}"):
+        read_adapter(directory, "bad", CONFIG, 16)
+
+
+@pytest.mark.parametrize(
+    ("value", "alpha", "message"),
+    [
+        (float("nan"), 8.0, "lora_A holds NaN or infinite values"),
+        (float("inf"), 8.0, "lora_A holds NaN or infinite values"),
+        (-float("inf"), 8.0, "lora_A holds NaN or infinite values"),
+        (None, 1e300, "lora_B holds NaN or infinite values once scaled"),  # a finite alpha, too large
+    ],
+)
+def test_non_finite_weights_are_refused(
+    tmp_path: Path, value: float | None, alpha: float, message: str
+) -> None:
+    directory = write_adapter(tmp_path / "nan", seed=3, alpha=alpha)
+    if value is not None:
+        poison(directory, value)
+    with pytest.raises(AdapterError, match=f"^adapter nan: layer 0 .*{message}"):
+        read_adapter(directory, "nan", CONFIG, 16)
+
+
+def test_damaged_weights_files_are_adapter_errors(tmp_path: Path) -> None:
+    """A half-copied file, a header lying about its offsets or its own length, and files too
+    short or not safetensors at all: each an AdapterError naming the adapter, never another one."""
+    cases = {
+        "half": (lambda d: truncate(d, 0.5), "is .* bytes but its header describes .*: truncated"),
+        "header-only": (lambda d: truncate(d, 0.05), "is truncated or not a safetensors file"),
+        "liar": (lie_about_offsets, "is .* bytes but its header describes"),
+        "tiny": (lambda d: truncate(d, 0.0001), "is truncated or not a safetensors file"),
+    }
+    for name, (damage, message) in cases.items():
+        directory = damage(write_adapter(tmp_path / name, seed=3))
+        with pytest.raises(AdapterError, match=f"^adapter {name}: adapter_model.safetensors {message}"):
+            read_adapter(directory, name, CONFIG, 16)
+    weights = write_adapter(tmp_path / "huge-header", seed=3) / "adapter_model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 1 << 62) + weights.read_bytes()[8:])
+    with pytest.raises(AdapterError, match="truncated or not a safetensors file"):
+        read_adapter(weights.parent, "huge-header", CONFIG, 16)
+    # The header adds up but one tensor overlaps another: the library's own checks, as AdapterError.
+    overlap = write_adapter(tmp_path / "overlap", seed=3) / "adapter_model.safetensors"
+    data = overlap.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    first = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    second = min(
+        (k for k in header if k not in ("__metadata__", first)), key=lambda k: header[k]["data_offsets"][0]
+    )
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    overlap.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    with pytest.raises(AdapterError, match=r"adapter overlap: adapter_model\.safetensors "):
+        read_adapter(overlap.parent, "overlap", CONFIG, 16)
+    # Far larger than any adapter of this model could be: refused before it is read whole.
+    big = write_adapter(tmp_path / "big", seed=3) / "adapter_model.safetensors"
+    with big.open("r+b") as file:
+        file.truncate(64 << 20)
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors is larger than any valid one"):
+        read_adapter(big.parent, "big", CONFIG, 16)
+
+
+def test_files_linked_out_of_the_source_are_refused(tmp_path: Path) -> None:
+    source = tmp_path / "loras"
+    outside = write_adapter(tmp_path / "elsewhere", seed=7)
+    for name in ("config-link", "weights-link", "inside-link"):
+        write_adapter(source / name, seed=7)
+    for name, file in (("config-link", "adapter_config.json"), ("weights-link", "adapter_model.safetensors")):
+        (source / name / file).unlink()
+        os.symlink(outside / file, source / name / file)
+        with pytest.raises(AdapterError, match="outside"):  # without a source: the adapter's own directory
+            read_adapter(source / name, name, CONFIG, 16)
+        with pytest.raises(AdapterError, match=f"^adapter {name}: {file} resolves to .*, outside "):
+            read_adapter(source / name, name, CONFIG, 16, source=source)
+    # A link to another file inside the source is followed.
+    weights = source / "inside-link" / "adapter_model.safetensors"
+    weights.unlink()
+    os.symlink(source / "config-link" / "adapter_model.safetensors", weights)
+    assert read_adapter(source / "inside-link", "inside-link", CONFIG, 16, source=source).rank == 4
 
 
 def _refused_with(directory: Path, tensors: dict[str, torch.Tensor], message: str) -> None:
@@ -194,10 +336,49 @@ def test_sequences_become_rows_of_their_slots() -> None:
     batch = LoraBatch.from_sequences([1, NO_ADAPTER, 0, 1], [1, 3, 2, 2])
     # rows: seq0 -> 0, seq1 -> 1-3 (base), seq2 -> 4-5, seq3 -> 6-7; present slots [0, 1]
     assert batch.present.tolist() == [0, 1] and batch.segments == ((0, 2), (1, 3))
-    assert batch.onehot is not None
-    assert batch.onehot[:, :, 0].tolist() == [[0, 1], [0, 0], [0, 0], [0, 0], [1, 0], [1, 0], [0, 1], [0, 1]]
-    assert LoraBatch.from_sequences([2, 2], [3, 1]).onehot is None  # every row uses the one slot
+    assert batch.rows is not None and batch.rows.tolist() == [0, 4, 5, 6, 7]  # base rows left out
+    assert batch.own is not None
+    first, second = [True, False], [False, True]
+    assert batch.own[:, :, 0].tolist() == [second, first, first, second, second]
+    whole = LoraBatch.from_sequences([2, 2], [3, 1])  # every row uses the one slot
+    assert whole.rows is None and whole.own is None
+    some = LoraBatch.from_sequences([NO_ADAPTER, 2], [2, 2])  # one slot, base rows beside it
+    assert some.rows is not None and some.rows.tolist() == [2, 3] and some.own is None
     assert LoraBatch.from_sequences([NO_ADAPTER], [4]).present.numel() == 0
+
+
+def test_a_poisoned_slot_cannot_reach_other_rows(tmp_path: Path) -> None:
+    """A slot holding NaN and infinite weights (filled directly, past the reader's checks) beside a
+    good adapter and base rows in one batch, in float32 and bfloat16: base rows stay the base
+    layer's bit for bit, as in a batch without adapters. With the poison in lora_A only (the
+    stacks' lora_B finite, as the reader guarantees) the good adapter's rows are untouched too."""
+    good = _adapters(tmp_path, 1)[0]
+    parts = [(m, projection_shape(CONFIG, m)[0]) for m in ("q_proj", "k_proj", "v_proj")]
+    in_features, q_size = CONFIG.hidden_size, projection_shape(CONFIG, "q_proj")[0]
+    poisoned_a = torch.randn(4, in_features)
+    poisoned_a[0, 0], poisoned_a[1, 3] = float("nan"), float("inf")
+    poisoned_b = torch.randn(q_size, 4)
+    poisoned_b[2, 1] = float("nan")
+    slots = [NO_ADAPTER, 2, 0, NO_ADAPTER, 2, 0]
+    for dtype in (torch.float32, torch.bfloat16):
+        stack = LoraStack(in_features, parts, num_slots=3, max_rank=8, dtype=dtype)
+        stack.fill(0, {m: _piece(good, 0, m) for m, _ in parts if (0, m) in good.modules})
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(6, in_features, generator=generator).to(dtype)
+        base_out = torch.randn(6, stack.out_features, generator=generator).to(dtype)
+        for b in (poisoned_b, torch.randn(q_size, 4)):
+            stack.fill(2, {"q_proj": (poisoned_a, b, 2.0), "k_proj": (poisoned_a, torch.randn(32, 4), 1.0)})
+            mixed = stack.apply(base_out.clone(), x, LoraBatch.from_slots(slots))
+            for row in (0, 3):
+                assert torch.equal(mixed[row], base_out[row]), (dtype, row)
+            assert torch.isnan(mixed[1]).any() and torch.isnan(mixed[4]).any()  # its own rows, as it asks
+        without = stack.apply(base_out.clone(), x, LoraBatch.from_slots([NO_ADAPTER, NO_ADAPTER, 0] * 2))
+        for row in (2, 5):
+            assert torch.isfinite(mixed[row]).all() and not torch.equal(mixed[row], base_out[row])
+            assert torch.allclose(mixed[row].float(), without[row].float(), rtol=1e-2, atol=1e-2), (
+                dtype,
+                row,
+            )
 
 
 def test_rows_without_adapters_are_untouched_and_refilled_slots_forget(tmp_path: Path) -> None:

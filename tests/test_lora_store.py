@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from service.engine.config import LoraConfig
 from service.engine.lora import LoraAdapter, read_adapter
 from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
-from tests.test_lora import CONFIG, write_adapter
+from tests.test_lora import CONFIG, lie_about_offsets, poison, truncate, write_adapter
 
 
 def reader(path: Path, name: str) -> LoraAdapter:
@@ -137,3 +138,98 @@ def test_an_adapter_named_like_the_served_model_is_refused_once(tmp_path: Path) 
     first = store.refresh()
     assert store.names() == ["sql"] and any("the served model's own name" in r for r in first.refused)
     assert store.refresh().refused == ()
+
+
+def test_bad_adapters_are_refused_alone_and_the_rescans_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NaN weights, a NaN or infinite lora_alpha, a rank_pattern that is no regex, a half-copied
+    file, a header lying about its offsets, and a reader failing in a way nobody foresaw: each is
+    refused with its name, once; the good adapters serve, later ones still appear and removed ones
+    still disappear."""
+    source = tmp_path / "loras"
+    write_adapter(source / "good", seed=1)
+    poison(write_adapter(source / "nan-weights", seed=2))
+    (source / "nan-alpha").mkdir()
+    write_adapter(source / "nan-alpha", seed=3, alpha=float("nan"))
+    write_adapter(source / "inf-alpha", seed=3, alpha=float("inf"))
+    write_adapter(source / "bad-regex", seed=4, rank_pattern={"layers.(0": 8})
+    truncate(write_adapter(source / "half-copied", seed=5))
+    lie_about_offsets(write_adapter(source / "liar", seed=6))
+    write_adapter(source / "surprise", seed=7)
+
+    def fragile_reader(path: Path, name: str) -> LoraAdapter:
+        if name == "surprise":
+            raise RuntimeError("a reader bug")
+        return reader(path, name)
+
+    store = LoraStore(source, fragile_reader, device_slots=1, host_capacity=2)
+    with caplog.at_level("WARNING"):
+        first = store.refresh()
+        assert store.names() == ["good"] and first.added == ("good",)
+        bad = ["nan-weights", "nan-alpha", "inf-alpha", "bad-regex", "half-copied", "liar", "surprise"]
+        for name in bad:
+            assert sum(line.startswith(f"adapter {name}: ") for line in first.refused) == 1, (
+                name,
+                first.refused,
+            )
+        assert any(
+            "bad-regex: rank_pattern key 'layers.(0' is not a valid regular" in r for r in first.refused
+        )
+        assert any("nan-weights: layer 0 " in r and "NaN" in r for r in first.refused)
+        write_adapter(source / "later", seed=8)
+        shutil.rmtree(source / "good")
+        second = store.refresh()
+        assert second.added == ("later",) and second.removed == ("good",) and second.refused == ()
+        assert store.names() == ["later"]
+        assert store.refresh().refused == ()
+    for name in bad:
+        assert (
+            sum(f"adapter {name}: " in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+            == 1
+        )
+    # Repaired in place: served at the next rescan.
+    write_adapter(source / "half-copied", seed=5)
+    assert store.refresh().added == ("half-copied",)
+
+
+def test_links_out_of_the_source_are_refused_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = tmp_path / "loras"
+    write_adapter(source / "good", seed=1)
+    outside = write_adapter(tmp_path / "elsewhere", seed=2)
+    os.symlink(outside, source / "linked-dir")
+    for name, file in (
+        ("linked-config", "adapter_config.json"),
+        ("linked-weights", "adapter_model.safetensors"),
+    ):
+        write_adapter(source / name, seed=3)
+        (source / name / file).unlink()
+        os.symlink(outside / file, source / name / file)
+    with caplog.at_level("WARNING"):
+        store = LoraStore.open(LoraConfig(source, 16, 1, 1), CONFIG, "base")  # refused at start
+        for _ in range(2):
+            store.refresh()
+    assert store.names() == ["good"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3, warnings
+    assert sum("linked-dir: resolves to" in w for w in warnings) == 1
+    assert sum("adapter linked-config: adapter_config.json resolves to" in w for w in warnings) == 1
+    assert sum("adapter linked-weights: adapter_model.safetensors resolves to" in w for w in warnings) == 1
+
+
+def test_an_adapter_whose_files_went_bad_after_leaving_host_memory_is_no_longer_served(
+    tmp_path: Path,
+) -> None:
+    """prepare raises UnknownAdapterError, never the reader's or the safetensors library's own
+    error, for files damaged after the adapter was listed."""
+    store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=1)
+    for name in ("a", "c", "b"):
+        store.prepare(name)  # one host place: only b stays
+    truncate(tmp_path / "loras" / "a")
+    (tmp_path / "loras" / "c" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": NaN}')
+    for name in ("a", "c"):
+        with pytest.raises(UnknownAdapterError):
+            store.prepare(name)
+    assert store.names() == ["b"]

@@ -17,6 +17,14 @@ Only what the engine computes is accepted: LoRA (not DoRA) on the decoder's q/k/
 gate/up/down projections, no trained biases, no fully trained extra modules (modules_to_save), no
 transposed (fan_in_fan_out) weights, ranks up to the configured maximum, shapes that match the
 base model. Anything else is an AdapterError whose message names the adapter and the problem.
+
+An adapter is checked in full when it is read, since what it holds reaches every request of a
+batch it runs in: both files resolve inside the source (a symlink leading out is refused), each
+is read once into memory (what is checked is what is used; a file changed meanwhile cannot fault
+a mapping), the safetensors header matches the file's size (a truncated or half-copied file is
+refused), r and rank_pattern values are positive integers, lora_alpha and alpha_pattern values
+finite positive numbers, every pattern compiles, and every weight, scale included, is finite.
+Anything wrong with an adapter's files is an AdapterError, never another exception.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from service.engine.models.config import ModelConfig
 
@@ -42,6 +51,12 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 # A name an adapter can be requested by: no path separators, no leading dot.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+_MAX_CONFIG_BYTES = 16 << 20  # adapter_config.json (PEFT writes a few KB, more with per-module patterns)
+_MAX_HEADER_BYTES = 16 << 20  # a safetensors header (an adapter of 80 layers needs about 200 KB)
+_LARGEST_WEIGHT = float(torch.finfo(torch.bfloat16).max)  # finite in bfloat16 and float32 alike
+
+_T = TypeVar("_T")
 
 _KEY = re.compile(
     r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
@@ -100,17 +115,23 @@ def scan_source(root: Path) -> tuple[dict[str, Path], list[str]]:
 
     An entry is an adapter when it is a directory holding adapter_config.json. Its name must be
     a valid adapter name, and it must resolve inside `root` (a symlink leading out is refused).
+    An entry that cannot be examined (no permission, a symlink loop) is skipped with the reason;
+    only an unreadable `root` itself raises (OSError).
     """
     found: dict[str, Path] = {}
     skipped: list[str] = []
     base = root.resolve()
     for entry in sorted(root.iterdir()):
-        if not (entry / CONFIG_FILE).is_file():
+        try:
+            if not (entry / CONFIG_FILE).is_file():
+                continue
+            if not ADAPTER_NAME.fullmatch(entry.name):
+                skipped.append(f"{entry.name!r}: not a valid adapter name (letters, digits, '.', '_', '-')")
+                continue
+            resolved = entry.resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+            skipped.append(f"{entry.name!r}: cannot be examined: {exc}")
             continue
-        if not ADAPTER_NAME.fullmatch(entry.name):
-            skipped.append(f"{entry.name!r}: not a valid adapter name (letters, digits, '.', '_', '-')")
-            continue
-        resolved = entry.resolve()
         if not resolved.is_relative_to(base):
             skipped.append(f"{entry.name}: resolves to {resolved}, outside {base}")
             continue
@@ -118,15 +139,34 @@ def scan_source(root: Path) -> tuple[dict[str, Path], list[str]]:
     return found, skipped
 
 
-def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check one adapter against the base model's config."""
+def read_adapter(
+    directory: Path, name: str, config: ModelConfig, max_rank: int, source: Path | None = None
+) -> LoraAdapter:
+    """Read and check one adapter against the base model's config.
+
+    Every file is checked in full: both must resolve inside `source` (the adapter source; None:
+    the adapter's own directory), the config's numbers and patterns must be valid, the weights
+    file must be a complete safetensors file and every weight finite. Anything wrong with the
+    adapter's files raises AdapterError, never another exception.
+    """
     try:
-        settings = json.loads((directory / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as exc:
+        return _read_adapter(directory, name, config, max_rank, source)
+    except OSError as exc:  # a file unreadable, or changed while it was read
+        raise AdapterError(f"adapter {name}: unreadable: {exc}") from exc
+
+
+def _read_adapter(
+    directory: Path, name: str, config: ModelConfig, max_rank: int, source: Path | None
+) -> LoraAdapter:
+    root = (source if source is not None else directory).resolve()
+    config_path = _inside(name, directory / CONFIG_FILE, root)
+    try:
+        settings = json.loads(_read_bounded(config_path, _MAX_CONFIG_BYTES, name))
+    except (OSError, ValueError, RecursionError) as exc:
         raise AdapterError(f"adapter {name}: unreadable {CONFIG_FILE}: {exc}") from exc
     if not isinstance(settings, dict):
         raise AdapterError(f"adapter {name}: {CONFIG_FILE} is not a JSON object")
-    _check_settings(name, settings)
+    checked = _check_settings(name, settings)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         pickled = [p for p in PICKLED_WEIGHTS if (directory / p).exists()]
@@ -136,24 +176,20 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
                 f"loaded and are never opened; save it as {WEIGHTS_FILE}"
             )
         raise AdapterError(f"adapter {name}: no {WEIGHTS_FILE}")
+    tensors = _read_tensors(name, _inside(name, weights_path, root), _largest_weights(config, max_rank))
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_path), framework="pt", device="cpu") as handle:
-        for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-            match = _KEY.fullmatch(key)
-            if match is None:
-                raise AdapterError(
-                    f"adapter {name}: tensor {key!r} is not a LoRA weight of a decoder projection"
-                )
-            layer, module = int(match["layer"]), match["module"]
-            if module not in TARGETS:
-                raise AdapterError(f"adapter {name}: targets {module}, which this engine does not adapt")
-            if match["block"] != block_of(module):
-                raise AdapterError(f"adapter {name}: tensor {key!r} puts {module} under {match['block']}")
-            if layer >= config.num_layers:
-                raise AdapterError(
-                    f"adapter {name}: targets layer {layer}; the model has {config.num_layers}"
-                )
-            parts.setdefault((layer, module), {})[match["part"]] = handle.get_tensor(key)
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise AdapterError(f"adapter {name}: tensor {key!r} is not a LoRA weight of a decoder projection")
+        layer, module = int(match["layer"]), match["module"]
+        if module not in TARGETS:
+            raise AdapterError(f"adapter {name}: targets {module}, which this engine does not adapt")
+        if match["block"] != block_of(module):
+            raise AdapterError(f"adapter {name}: tensor {key!r} puts {module} under {match['block']}")
+        if layer >= config.num_layers:
+            raise AdapterError(f"adapter {name}: targets layer {layer}; the model has {config.num_layers}")
+        parts.setdefault((layer, module), {})[match["part"]] = tensor
     if not parts:
         raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no LoRA weights")
     modules = {}
@@ -166,8 +202,8 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
             raise AdapterError(f"{where}: weights must be floating point, not {a.dtype} / {b.dtype}")
         out_features, in_features = projection_shape(config, module)
         path = f"model.layers.{layer}.{block_of(module)}.{module}"
-        rank = int(_pattern_value(settings.get("rank_pattern"), path, settings["r"]))
-        alpha = float(_pattern_value(settings.get("alpha_pattern"), path, settings["lora_alpha"]))
+        rank = _pattern_value(checked.rank_pattern, path, checked.rank)
+        alpha = _pattern_value(checked.alpha_pattern, path, checked.alpha)
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
             raise AdapterError(
                 f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a rank-{rank} "
@@ -175,7 +211,14 @@ def read_adapter(directory: Path, name: str, config: ModelConfig, max_rank: int)
             )
         if rank > max_rank:
             raise AdapterError(f"{where}: rank {rank} is above NIM_MAX_LORA_RANK={max_rank}")
-        scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+        scale = alpha / math.sqrt(rank) if checked.rslora else alpha / rank
+        # Finite in every dtype the term is computed in (bfloat16 has the narrowest range), scale
+        # folded in as the device slots hold it: a non-finite weight would turn the adapter's rows
+        # (and any value multiplied by it) to NaN.
+        for part, weight in (("lora_A", a.float()), ("lora_B", b.float() * scale)):
+            if not bool((weight.abs() <= _LARGEST_WEIGHT).all()):  # False for NaN too
+                scaled = " once scaled" if part == "lora_B" else ""
+                raise AdapterError(f"{where}: {part} holds NaN or infinite values{scaled} (beyond +-3.4e38)")
         modules[(layer, module)] = LoraWeights(a, b, scale)
     return LoraAdapter(name, directory, modules)
 
@@ -185,16 +228,29 @@ def block_of(module: str) -> str:
     return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
 
 
-def _check_settings(name: str, settings: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class _Settings:
+    """What adapter_config.json says about scales, checked: r and lora_alpha, their per-module
+    overrides (compiled patterns, first match wins), use_rslora."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    rank_pattern: tuple[tuple[re.Pattern[str], int], ...]
+    alpha_pattern: tuple[tuple[re.Pattern[str], float], ...]
+
+
+def _check_settings(name: str, settings: dict[str, Any]) -> _Settings:
     def refuse(why: str) -> AdapterError:
         return AdapterError(f"adapter {name}: {why}")
 
     if settings.get("peft_type", "LORA") != "LORA":
         raise refuse(f"peft_type {settings.get('peft_type')!r}; only LORA adapters are served")
-    for key in ("r", "lora_alpha"):
-        value = settings.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise refuse(f"{CONFIG_FILE} needs a positive {key}, has {value!r}")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha")
+    if not _is_rank(rank):
+        raise refuse(f"{CONFIG_FILE} needs a positive r (an integer), has {rank!r}")
+    if not _is_alpha(alpha):
+        raise refuse(f"{CONFIG_FILE} needs a positive lora_alpha (a finite number), has {alpha!r}")
     if settings.get("use_dora"):
         raise refuse("DoRA (use_dora) is not served")
     if settings.get("bias", "none") != "none":
@@ -203,14 +259,102 @@ def _check_settings(name: str, settings: dict[str, Any]) -> None:
         raise refuse(f"fully trained modules (modules_to_save={settings['modules_to_save']}) are not served")
     if settings.get("fan_in_fan_out"):
         raise refuse("fan_in_fan_out weights (transposed, GPT-2 style) are not served")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if settings.get(key) is not None and not isinstance(settings[key], dict):
-            raise refuse(f"{key} must be an object")
+    ranks = _patterns(name, settings, "rank_pattern", _is_rank, "a positive integer")
+    alphas = _patterns(name, settings, "alpha_pattern", _is_alpha, "a finite positive number")
+    return _Settings(rank, float(alpha), bool(settings.get("use_rslora")), ranks, alphas)
 
 
-def _pattern_value(patterns: dict[str, Any] | None, path: str, default: Any) -> Any:
+def _patterns(
+    name: str, settings: dict[str, Any], key: str, valid: Callable[[object], TypeGuard[_T]], kind: str
+) -> tuple[tuple[re.Pattern[str], _T], ...]:
+    """A rank_pattern or alpha_pattern compiled, as PEFT matches it: a pattern matches a module
+    path or any dotted suffix of it. Every key must compile and every value pass `valid`."""
+    given = settings.get(key)
+    if given is None:
+        return ()
+    if not isinstance(given, dict):
+        raise AdapterError(f"adapter {name}: {key} must be an object")
+    compiled = []
+    for pattern, value in given.items():
+        if not valid(value):
+            raise AdapterError(f"adapter {name}: {key}[{pattern!r}] must be {kind}, not {value!r}")
+        try:
+            compiled.append((re.compile(rf"(?:.*\.)?(?:{pattern})"), value))
+        except (re.error, OverflowError, RecursionError) as exc:
+            raise AdapterError(
+                f"adapter {name}: {key} key {pattern!r} is not a valid regular expression ({exc})"
+            ) from exc
+    return tuple(compiled)
+
+
+def _is_rank(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_alpha(value: object) -> TypeGuard[int | float]:
+    """A finite positive number (JSON as Python reads it admits NaN and Infinity)."""
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def _pattern_value(patterns: tuple[tuple[re.Pattern[str], _T], ...], path: str, default: _T) -> _T:
     """PEFT's per-module override: the first pattern matching the module path or a dotted suffix."""
-    for pattern, value in (patterns or {}).items():
-        if re.fullmatch(rf"(?:.*\.)?(?:{pattern})", path):
+    for pattern, value in patterns:
+        if pattern.fullmatch(path):
             return value
     return default
+
+
+def _inside(name: str, path: Path, root: Path) -> Path:
+    """`path` resolved (links followed), refused when it leads out of `root`."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise AdapterError(f"adapter {name}: {path.name} cannot be resolved: {exc}") from exc
+    if not resolved.is_relative_to(root):
+        raise AdapterError(f"adapter {name}: {path.name} resolves to {resolved}, outside {root}")
+    return resolved
+
+
+def _read_bounded(path: Path, limit: int, name: str) -> bytes:
+    """The whole file, refused above `limit` bytes (read once: what is checked is what is used)."""
+    with path.open("rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise AdapterError(f"adapter {name}: {path.name} is larger than any valid one ({limit} bytes)")
+    return data
+
+
+def _largest_weights(config: ModelConfig, max_rank: int) -> int:
+    """Bytes of the largest weights file a servable adapter can have: every projection of every
+    layer at the rank limit in float64, plus a header."""
+    elements = sum(max_rank * sum(projection_shape(config, module)) for module in TARGETS)
+    return 8 + _MAX_HEADER_BYTES + config.num_layers * elements * 8
+
+
+def _read_tensors(name: str, path: Path, limit: int) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file read whole into memory (a file changed while it is read
+    cannot fault a mapping), its header checked against the bytes read."""
+    data = _read_bounded(path, limit, name)
+    where = f"adapter {name}: {WEIGHTS_FILE}"
+    header_bytes = int.from_bytes(data[:8], "little") if len(data) >= 8 else None
+    if header_bytes is None or 8 + header_bytes > len(data) or header_bytes > _MAX_HEADER_BYTES:
+        raise AdapterError(f"{where} is truncated or not a safetensors file ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8 : 8 + header_bytes])
+        described = max(
+            (int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise AdapterError(f"{where} has a malformed header ({exc!r})") from exc
+    if 8 + header_bytes + described != len(data):
+        raise AdapterError(
+            f"{where} is {len(data)} bytes but its header describes {8 + header_bytes + described}: "
+            "truncated, still being copied, or corrupt"
+        )
+    try:
+        return safetensors.torch.load(data)
+    except Exception as exc:  # the library's checks (offsets, dtypes, shapes): any failure is the file's
+        raise AdapterError(f"{where} is not a valid safetensors file ({exc})") from exc

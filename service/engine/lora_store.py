@@ -12,13 +12,19 @@ Three tiers, each bounded:
 Invariants: an adapter held by a request keeps its slot and its host copy until released; a slot
 holds at most one adapter; an adapter removed from the source at a refresh disappears from `known`
 at once (new requests are refused) but the requests already holding it finish with it. An adapter
-whose files changed (another path, or newer files) is re-read at the refresh; slots holding the
-old version serve their requests to the end and are never handed out again.
+whose files changed (another path, newer files, another size) is re-read at the refresh; slots
+holding the old version serve their requests to the end and are never handed out again.
+
+One bad adapter never harms the others: whatever goes wrong reading one (service.engine.lora
+refuses it with an AdapterError; anything else is caught too) refuses that adapter alone, at start
+as at every rescan, and is logged once per version of its files (a refusal of the scan itself,
+such as a symlink leading out of the source, once while it lasts).
 """
 
 from __future__ import annotations
 
 import logging
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +38,7 @@ from service.engine.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 Reader = Callable[[Path, str], LoraAdapter]  # read_adapter with the model's config and rank limit
+Version = tuple[str, int, int]  # an adapter's files: where they are, last change (ns), total bytes
 
 
 class UnknownAdapterError(KeyError):
@@ -68,13 +75,21 @@ class _Slot:
     stale: bool = False  # holds a version the source has replaced: drained, never handed out
 
 
-_RESERVED = ("reserved", 0)  # the "version" of a directory refused for its name
+_RESERVED: Version = ("reserved", 0, 0)  # the "version" of a directory refused for its name
 
 
-def _version(path: Path) -> tuple[str, int]:
-    """What identifies an adapter's files: where they are and when they last changed."""
-    stamps = [f.stat().st_mtime_ns for f in sorted(path.iterdir()) if f.is_file()]
-    return str(path), max(stamps, default=0)
+def _version(path: Path) -> Version:
+    """What identifies an adapter's files: where they are, when they last changed and their total
+    size (a file still being copied changes size even within one timestamp tick)."""
+    stats = []
+    for file in sorted(path.iterdir()):
+        try:
+            info = file.stat()
+        except OSError:  # a dangling link, or a file removed meanwhile
+            continue
+        if stat.S_ISREG(info.st_mode):
+            stats.append(info)
+    return str(path), max((i.st_mtime_ns for i in stats), default=0), sum(i.st_size for i in stats)
 
 
 @dataclass
@@ -83,13 +98,14 @@ class LoraStore:
     reader: Reader
     device_slots: int
     host_capacity: int
-    _known: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)  # name -> _version
+    _known: dict[str, Version] = field(default_factory=dict, init=False)  # name -> _version
     # Host copies in least-recently-used order (oldest first).
     _host: OrderedDict[str, LoraAdapter] = field(default_factory=OrderedDict, init=False)
     _slots: list[_Slot] = field(default_factory=list, init=False)
     _use_order: list[int] = field(default_factory=list, init=False)  # slot indices, least recent first
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
-    _refused_versions: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    _refused_versions: dict[str, Version] = field(default_factory=dict, init=False)
+    _skipped: frozenset[str] = field(default_factory=frozenset, init=False)  # the last scan's refusals
     refresh_interval_s: float | None = None  # rescan period (start_refreshing); None: never
     reserved: frozenset[str] = frozenset()  # names requests use for other things (the base model's)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
@@ -103,7 +119,7 @@ class LoraStore:
             raise ValueError("LoRA settings without an adapter source")
         store = cls(
             source=lora.source,
-            reader=lambda path, name: read_adapter(path, name, model, lora.max_rank),
+            reader=lambda path, name: read_adapter(path, name, model, lora.max_rank, lora.source),
             device_slots=lora.max_gpu_loras,
             host_capacity=lora.max_cpu_loras,
             refresh_interval_s=lora.refresh_interval_s,
@@ -134,10 +150,12 @@ class LoraStore:
 
     def refresh(self) -> RefreshResult:
         """Rescan the source: new adapters are read and checked now (a malformed one is refused
-        with its reason and never listed), removed ones stop being known."""
+        with its reason and never listed), removed ones stop being known. Raises only when the
+        source itself cannot be listed (OSError)."""
         found, skipped = scan_source(self.source)
-        refused = list(skipped)
-        refused_versions: dict[str, tuple[str, int]] = {}
+        refused = [line for line in skipped if line not in self._skipped]  # reported once
+        self._skipped = frozenset(skipped)
+        refused_versions: dict[str, Version] = {}
         for name in sorted(self.reserved & found.keys()):
             del found[name]
             refused_versions[name] = _RESERVED
@@ -147,7 +165,10 @@ class LoraStore:
             known = dict(self._known)
         added = []
         for name, path in found.items():
-            version = _version(path)
+            try:
+                version = _version(path)
+            except OSError:  # removed or unreadable since the scan: the reader says why
+                version = (str(path), -1, -1)
             if known.get(name) == version:
                 continue
             if self._refused_versions.get(name) == version:  # unchanged since it was refused
@@ -155,8 +176,10 @@ class LoraStore:
                 continue
             try:
                 adapter = self.reader(path, name)
-            except AdapterError as exc:
-                refused.append(str(exc))
+            except Exception as exc:  # AdapterError; anything else must not stop the other adapters
+                if not isinstance(exc, AdapterError):
+                    log.exception("LoRA adapter %s: unexpected error reading it", name)
+                refused.append(str(exc) if isinstance(exc, AdapterError) else f"adapter {name}: {exc!r}")
                 refused_versions[name] = version
                 continue
             with self._lock:
@@ -218,7 +241,9 @@ class LoraStore:
     # --- host memory (off the step thread) -------------------------------------------------------
 
     def prepare(self, name: str) -> None:
-        """Make sure `name` is in host memory (reads it from disk if it is not); blocking."""
+        """Make sure `name` is in host memory (reads it from disk if it is not); blocking. Raises
+        UnknownAdapterError, and nothing else, when it is not served or its files went bad (it is
+        then no longer served)."""
         with self._lock:
             version = self._known.get(name)
             if version is None:
@@ -228,7 +253,9 @@ class LoraStore:
                 return
         try:
             adapter = self.reader(Path(version[0]), name)
-        except (AdapterError, OSError) as exc:  # changed or removed on disk since it was listed
+        except Exception as exc:  # changed or removed on disk since it was listed: not served now
+            if not isinstance(exc, AdapterError):
+                log.exception("LoRA adapter %s: unexpected error reading it", name)
             log.warning("LoRA adapter %s is no longer served: %s", name, exc)
             with self._lock:
                 if self._known.get(name) == version:

@@ -8,20 +8,25 @@ device slot's adapter in preallocated stacks, zero-padded to the largest rank R 
     a:       [S, P * R, in]     the parts' lora_A, one above the other (P parts)
     bt[p]:   [S, R, out_p]      part p's lora_B transposed, its scale folded in
 
-The k slots a step uses and each row's slot are found once (`LoraBatch`, shared by every
-layer). Each projection then runs, whatever the mix of adapters:
+The k slots a step uses, the T' adapted rows and each one's slot are found once (`LoraBatch`,
+shared by every layer). Each projection then runs, whatever the mix of adapters:
 
-    shrunk = x @ a[present].T                [T, k * P * R]   one matmul against the k slots
-    shrunk *= onehot(row's slot)             zero every block but the row's own (all, for base rows)
-    out[:, part p] += shrunk[.., p] @ bt[p][present]          one matmul per part
+    xa = x[rows]                             [T', in]   the adapted rows (x itself when all are)
+    shrunk = xa @ a[present].T               [T', k * P * R]   one matmul against the k slots
+    shrunk = where(row's slot, shrunk, 0)    keep each row's own slot's block, zero the others
+    out[rows, part p] += shrunk[.., p] @ bt[p][present]       one matmul per part
 
 so a step costs one shrink and P expand matmuls per projection, never a loop over rows or slots
-(each row also meets the other present slots' weights, and base rows all of them, as exact zeros:
-work of the order of k * P * R / out of the base layer's, small at LoRA ranks; rows of the base
-model add exact zeros, so their output is unchanged bit for bit). The arithmetic runs in the
-stacks' dtype (float32 on the CPU, where small bfloat16 matmuls are several times slower; the
-activation dtype on GPUs) and is added to the base output with one rounding: the adapted layer
-equals the merged weight W + scale * B @ A up to that rounding and float summation order.
+(each adapted row also meets the other present slots' weights: work of the order of k * P * R /
+out of the base layer's, small at LoRA ranks). Isolation, the invariant: a row's output depends
+only on its own activations and its own adapter. Rows of the base model are never read or
+written, so their output is the base layer's bit for bit. Another slot's block of an adapted row
+is selected away (`where`), never multiplied by a zero mask, since it may hold inf (0 * inf is
+NaN); in the expand it meets the other slots' lora_B as exact zeros, which stay zeros because
+the stacks hold only finite weights (service.engine.lora refuses any other). The arithmetic runs
+in the stacks' dtype (float32 on the CPU, where small bfloat16 matmuls are several times slower;
+the activation dtype on GPUs) and is added to the base output with one rounding: the adapted
+layer equals the merged weight W + scale * B @ A up to that rounding and float summation order.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ class LoraBatch:
     """Which rows of a step's flat batch use which adapter slot."""
 
     present: Tensor  # [k] int64: the slots in use, ascending
-    # [T, k, 1] float32: row i uses present[j]; rows of the base model are all zeros. None when
-    # every row uses the one slot present.
-    onehot: Tensor | None
+    rows: Tensor | None  # [T'] int64: the adapted rows, ascending; None when every row is adapted
+    # [T', k, 1] bool: adapted row i uses present[j]. None when one slot is present.
+    own: Tensor | None
     segments: tuple[tuple[int, int], ...]  # (slot, rows using it), for logs and tests
 
     @classmethod
@@ -61,19 +66,23 @@ class LoraBatch:
         present = sorted({slot for slot in slots if slot != NO_ADAPTER})
         position = {slot: j for j, slot in enumerate(present)}
         counts = dict.fromkeys(present, 0)
-        row_slots: list[int] = []  # each row's index into present, or -1
+        rows: list[int] = []  # the adapted rows
+        row_slots: list[int] = []  # each adapted row's index into present
+        first = 0
         for slot, length in zip(slots, lengths, strict=True):
-            row_slots.extend([position.get(slot, -1)] * length)
             if slot != NO_ADAPTER:
+                rows.extend(range(first, first + length))
+                row_slots.extend([position[slot]] * length)
                 counts[slot] += length
-        onehot = None
-        if len(present) > 1 or -1 in row_slots:
+            first += length
+        own = None
+        if len(present) > 1:
             index = torch.tensor(row_slots, dtype=torch.long)
-            onehot = (index[:, None] == torch.arange(len(present))[None, :]).float().unsqueeze(-1)
-            onehot = onehot.to(device)
+            own = (index[:, None] == torch.arange(len(present))[None, :]).unsqueeze(-1).to(device)
         return cls(
             torch.tensor(present, dtype=torch.long, device=device),
-            onehot,
+            None if len(rows) == first else torch.tensor(rows, dtype=torch.long, device=device),
+            own,
             tuple((slot, counts[slot]) for slot in present),
         )
 
@@ -128,21 +137,26 @@ class LoraStack:
 
     def apply(self, out: Tensor, x: Tensor, batch: LoraBatch) -> Tensor:
         """out [T, out] (the base layer's output for x [T, in]) plus each adapted row's LoRA
-        term, in place (rows of the base model add exact zeros); returns out."""
-        present = batch.present
+        term, in place (rows of the base model are left alone); returns out."""
+        present, rows = batch.present, batch.rows
         k, num_parts, rank = present.shape[0], len(self.parts), self.max_rank
         if k == 0:
             return out
         whole = k == self.num_slots  # every slot in use: no gather of the weights
         a = self.a if whole else self.a.index_select(0, present)  # [k, P*R, in]
-        shrunk = (x.to(a.dtype) @ a.view(k * num_parts * rank, -1).T).view(-1, k, num_parts * rank)
-        if batch.onehot is not None:
-            shrunk.mul_(batch.onehot.to(shrunk.dtype))  # each row keeps its own slot's block
+        adapted = x if rows is None else x.index_select(0, rows)  # [T', in]
+        shrunk = (adapted.to(a.dtype) @ a.view(k * num_parts * rank, -1).T).view(-1, k, num_parts * rank)
+        if batch.own is not None:  # each row keeps its own slot's block: selected, not masked by 0 * x
+            shrunk = torch.where(batch.own, shrunk, 0.0)
         parts = shrunk.view(-1, k, num_parts, rank)
         for index, (first, last) in enumerate(self.columns):
             bt = self.bt[index] if whole else self.bt[index].index_select(0, present)  # [k, R, out_p]
-            delta = parts[:, :, index, :].reshape(-1, k * rank) @ bt.view(k * rank, -1)
-            out[:, first:last].add_(delta)  # in float32, rounded once into out's dtype
+            delta = parts[:, :, index, :].reshape(-1, k * rank) @ bt.view(k * rank, -1)  # [T', out_p]
+            columns = out[:, first:last]
+            if rows is None:
+                columns.add_(delta)  # in the stacks' dtype, rounded once into out's dtype
+            else:
+                columns.index_copy_(0, rows, columns.index_select(0, rows).add_(delta))
         return out
 
 
