@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from service.engine.config import LoraConfig
-from service.engine.lora import LoraAdapter, read_adapter
+from service.engine.lora import AdapterError, LoraAdapter, read_adapter
 from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
 from tests.test_lora import CONFIG, lie_about_offsets, poison, truncate, write_adapter
 
@@ -220,16 +220,24 @@ def test_links_out_of_the_source_are_refused_and_logged_once(
 
 
 def test_an_adapter_whose_files_went_bad_after_leaving_host_memory_is_no_longer_served(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """prepare raises UnknownAdapterError, never the reader's or the safetensors library's own
-    error, for files damaged after the adapter was listed."""
+    """prepare raises AdapterError with the reason, never the safetensors library's own error, for
+    files damaged after the adapter was listed; then the adapter is unknown, and the next rescan
+    does not report the same files again."""
     store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=1)
     for name in ("a", "c", "b"):
         store.prepare(name)  # one host place: only b stays
     truncate(tmp_path / "loras" / "a")
     (tmp_path / "loras" / "c" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": NaN}')
-    for name in ("a", "c"):
-        with pytest.raises(UnknownAdapterError):
-            store.prepare(name)
-    assert store.names() == ["b"]
+    with caplog.at_level("WARNING"):
+        with pytest.raises(AdapterError, match=r"adapter a: adapter_model\.safetensors is .* truncated"):
+            store.prepare("a")
+        with pytest.raises(AdapterError, match=r"adapter c: .* positive lora_alpha .*, has nan"):
+            store.prepare("c")
+        assert store.names() == ["b"]
+        for name in ("a", "c"):
+            with pytest.raises(UnknownAdapterError, match=f"^adapter {name} is not served"):
+                store.prepare(name)
+        assert store.refresh().refused == ()
+    assert sum("adapter a:" in r.getMessage() for r in caplog.records) == 1

@@ -44,6 +44,9 @@ Version = tuple[str, int, int]  # an adapter's files: where they are, last chang
 class UnknownAdapterError(KeyError):
     """No adapter of that name is served (never was, or removed from the source)."""
 
+    def __str__(self) -> str:  # KeyError's would be the quoted name alone
+        return f"adapter {self.args[0] if self.args else ''} is not served (not in the source, or removed)"
+
 
 class NoFreeSlotError(RuntimeError):
     """Every device slot is held by a running request; the request waits for one."""
@@ -242,8 +245,8 @@ class LoraStore:
 
     def prepare(self, name: str) -> None:
         """Make sure `name` is in host memory (reads it from disk if it is not); blocking. Raises
-        UnknownAdapterError, and nothing else, when it is not served or its files went bad (it is
-        then no longer served)."""
+        UnknownAdapterError when it is not served, AdapterError (with the reason) when its files
+        went bad since it was listed (it is then no longer served); nothing else."""
         with self._lock:
             version = self._known.get(name)
             if version is None:
@@ -251,16 +254,24 @@ class LoraStore:
             if name in self._host:
                 self._host.move_to_end(name)
                 return
+        path = Path(version[0])
         try:
-            adapter = self.reader(Path(version[0]), name)
+            now: Version | None = _version(path)  # taken first: files fixed meanwhile are re-read
+        except OSError:
+            now = None
+        try:
+            adapter = self.reader(path, name)
         except Exception as exc:  # changed or removed on disk since it was listed: not served now
             if not isinstance(exc, AdapterError):
                 log.exception("LoRA adapter %s: unexpected error reading it", name)
-            log.warning("LoRA adapter %s is no longer served: %s", name, exc)
+            refusal = exc if isinstance(exc, AdapterError) else AdapterError(f"adapter {name}: {exc!r}")
+            log.warning("LoRA adapter %s is no longer served: %s", name, refusal)
             with self._lock:
                 if self._known.get(name) == version:
                     self._forget(name)
-            raise UnknownAdapterError(name) from exc
+                    if now is not None:  # the next rescan does not report these files again
+                        self._refused_versions[name] = now
+            raise refusal from exc
         with self._lock:
             if self._known.get(name) == version:  # not replaced or removed meanwhile
                 self._keep(adapter)
