@@ -12,7 +12,9 @@ this file writes in PEFT's layout. What is checked:
 - the prefix cache never shares blocks across adapters;
 - over two tensor-parallel ranks (adapters sharded like their layers) the answers are one rank's;
 - adapters added to the source appear at the next rescan, removed ones disappear while a request
-  already running with one finishes; a malformed adapter is never listed and the server serves on.
+  already running with one finishes; a malformed adapter is never listed and the server serves on;
+- bad adapters in the source at start (NaN weights, a half-copied file, a rank_pattern that is no
+  regex) are refused once with the reason, and the base model answers as it does without them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ TOKENS = 10
 ADAPTERS = ("sql", "chat.v2", "legal", "med")
 FP32 = {"NIM_MODEL_PROFILE": "torch-generic-fp32-tp1-pp1-throughput"}
 LONG = 400  # tokens: a request that outlasts an adapter's removal (~1 s here)
+# Adapters the shared source also holds, each refused at start: name -> (how it is spoiled, why)
+BAD = {
+    "poisoned": "layer 0 down_proj: lora_A holds NaN",
+    "half-copied": "adapter_model.safetensors is",
+    "bad-regex": "rank_pattern key 'layers.(0' is not a valid regular expression",
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +95,9 @@ def source(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = _config(checkpoint)
     for seed, name in enumerate(ADAPTERS):
         write_adapter(root / name, config, seed=100 + seed, rank=4 + 4 * seed)
+    test_lora.poison(test_lora.write_adapter(root / "poisoned", 200, 8, 16.0, TARGETS, config))
+    test_lora.truncate(test_lora.write_adapter(root / "half-copied", 201, 8, 16.0, TARGETS, config))
+    test_lora.write_adapter(root / "bad-regex", 202, 8, 16.0, TARGETS, config, rank_pattern={"layers.(0": 4})
     return root
 
 
@@ -170,6 +181,40 @@ def test_models_lists_adapters_and_an_unknown_one_is_a_404(lora_server: ServerPr
     assert caught.value.code == "model_not_found"
     streamed = client.completions.create(model="legal", prompt="hi", max_tokens=3, stream=True)
     assert {chunk.model for chunk in streamed} == {"legal"}
+
+
+def test_bad_adapters_are_refused_and_harm_no_one(lora_server: ServerProcess) -> None:
+    """The shared source holds adapters with NaN weights, a half-copied weights file and a
+    rank_pattern that does not compile: the server started, lists and serves only the good ones,
+    logged each refusal once with its reason, and the base model answers a prompt the same before,
+    beside an adapter in one batch, and from its prefix cache."""
+    client = _client(lora_server)
+    assert {m.id for m in client.models.list().data} == {NAME, *ADAPTERS}
+    log = lora_server.log()
+    for name, why in BAD.items():
+        assert log.count(f"LoRA adapter not served: adapter {name}: ") == 1, name
+        assert f"adapter {name}: {why}" in log, name
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=2)
+    prompt = "Bad adapters must not reach the base model's rows or its cached KV blocks, ever. " * 2
+
+    def answer(model: str) -> tuple[list[str], int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        logprobs = out.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens and out.usage is not None
+        details = out.usage.prompt_tokens_details
+        return logprobs.tokens, (details.cached_tokens or 0) if details is not None else 0
+
+    before, _ = answer(NAME)
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(answer, NAME)
+        adapted = pool.submit(answer, "sql")
+        assert beside.result()[0] == before and adapted.result()[0] != before
+    cached_tokens, cached = answer(NAME)
+    assert cached_tokens == before and cached > 0
 
 
 def test_the_prefix_cache_is_never_shared_across_adapters(lora_server: ServerProcess) -> None:

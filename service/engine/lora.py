@@ -217,8 +217,8 @@ def _read_adapter(
         # (and any value multiplied by it) to NaN.
         for part, weight in (("lora_A", a.float()), ("lora_B", b.float() * scale)):
             if not bool((weight.abs() <= _LARGEST_WEIGHT).all()):  # False for NaN too
-                scaled = " once scaled" if part == "lora_B" else ""
-                raise AdapterError(f"{where}: {part} holds NaN or infinite values{scaled} (beyond +-3.4e38)")
+                bound = f"|w| > {_LARGEST_WEIGHT:.3g}{', scale included' if part == 'lora_B' else ''}"
+                raise AdapterError(f"{where}: {part} holds NaN, infinite or too large values ({bound})")
         modules[(layer, module)] = LoraWeights(a, b, scale)
     return LoraAdapter(name, directory, modules)
 
