@@ -241,3 +241,25 @@ def test_an_adapter_whose_files_went_bad_after_leaving_host_memory_is_no_longer_
                 store.prepare(name)
         assert store.refresh().refused == ()
     assert sum("adapter a:" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failing_source_is_logged_once_while_it_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = store_with(tmp_path, ["a"])
+    store.refresh_interval_s = 0.02
+    source = tmp_path / "loras"
+    source.rename(tmp_path / "moved")  # the source itself cannot be listed: every rescan fails
+    with caplog.at_level("INFO"):
+        store.start_refreshing()
+        try:
+            time.sleep(0.3)
+            (tmp_path / "moved").rename(source)
+            deadline = time.monotonic() + 5
+            while not any("succeed again" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        finally:
+            store.stop_refreshing()
+    assert sum("rescan failed" in r.getMessage() for r in caplog.records) == 1
+    assert store.names() == ["a"]

@@ -218,12 +218,18 @@ class LoraStore:
         interval = self.refresh_interval_s
 
         def loop() -> None:
+            failing = ""  # the error the last rescan failed with: logged once while it lasts
             while not self._stop.wait(interval):
                 try:
                     result = self.refresh()
-                except Exception:  # a transient filesystem error must not end the rescans
-                    log.exception("LoRA source rescan failed")
+                except Exception as exc:  # a transient filesystem error must not end the rescans
+                    if repr(exc) != failing:
+                        log.exception("LoRA source rescan failed (logged again only if the error changes)")
+                        failing = repr(exc)
                     continue
+                if failing:
+                    log.info("LoRA source rescans succeed again")
+                    failing = ""
                 if result.added or result.removed:
                     log.info(
                         "LoRA adapters: added %s, removed %s",
