@@ -161,6 +161,39 @@ def test_seeded_sampling_reproduces_across_batch_compositions(engine: TorchEngin
     wait_idle(engine)
 
 
+def test_seeded_sampling_reproduces_whatever_prefix_came_from_the_cache(engine: TorchEngine) -> None:
+    """The same seeded request with 0, 1 and 2 blocks of its prompt cached, alone and in a mixed
+    batch: the same tokens and bitwise the same logprobs (the attention's query tiling used to
+    depend on how many prompt tokens a chunk computed, which changed a sample now and then)."""
+    block = engine.config.kv_spec.block_size
+    seeded = {"temperature": 1.0, "seed": 1234, "max_tokens": 20, "logprobs": 3, "ignore_eos": True}
+
+    def signature(result: Result) -> list[tuple[int, float]]:
+        return [(e.token_id, e.logprob) for out in result.outputs for e in out.logprobs or []]
+
+    chats = ["Tell me a fact.", "Name a colour.", "What is rain?", "Say hello to Ann."]
+    for trial, question in enumerate(chats):  # chat prompts of 2-3 blocks
+        messages = [{"role": "user", "content": question}]
+        prompt = engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True), False
+        )
+        assert 2 * block < len(prompt) <= 3 * block
+        runs = {}
+        for cached_blocks in (0, 1, 2):
+            engine.pool.reset_cache()
+            if cached_blocks:
+                primer = [*prompt[: cached_blocks * block], *prompt_of(engine, 8, seed=6000 + trial)]
+                run_all(engine, [request("primer", primer, max_tokens=1)])
+            rid = f"seeded-{trial}-{cached_blocks}"
+            result = run_all(engine, [request(rid, prompt, **seeded)])[rid]
+            assert result.outputs[-1].num_cached_tokens == cached_blocks * block
+            runs[cached_blocks] = signature(result)
+        others = [request(f"m{i}", prompt_of(engine, 7 + 11 * i, seed=i), max_tokens=6) for i in range(4)]
+        mixed = run_all(engine, [*others[:2], request("seeded-mixed", prompt, **seeded), *others[2:]])
+        assert runs[0] == runs[1] == runs[2] == signature(mixed["seeded-mixed"]), trial
+    wait_idle(engine)
+
+
 def test_prefix_reuse_reports_cached_tokens_and_keeps_outputs(engine: TorchEngine) -> None:
     system = prompt_of(engine, 300, seed=1007)  # a seed no other test's prompt starts with
     first = run_all(engine, [request("p1", [*system, *prompt_of(engine, 5, 1)])])["p1"]

@@ -16,7 +16,14 @@ the batch size, the padding, the prefill chunk boundaries or a prefix-cache hit.
 seeded outputs therefore do not depend on what else shares the batch (the linear layers are
 row-independent as well). Block sizes are multiples of 16 so a row is never shorter than one
 AVX-512 vector, which would switch the softmax reduction to a different summation order.
-tests/test_engine.py holds this; a faster kernel must keep it.
+
+The fused kernel is not row-invariant by itself: on the CPU it cuts the queries into tiles
+whose size depends on how many there are, and its matrix products round a row differently in
+a tile of another height (about one prompt in twenty changed a bfloat16 output somewhere, so a
+seeded sample differed with 16 rather than 32 cached prompt tokens). So prefill queries are
+cut into tiles of PREFILL_TILE positions aligned to absolute positions (padded with zero rows),
+passed as the batch dimension: a token is always computed in the same tile, of the same
+height, whatever the chunk holds. tests/test_engine.py holds this; a faster kernel must keep it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ import torch.nn.functional as F
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.triton_attention import paged_decode_attention
 
+# Query positions per attention tile (tiles start at multiples of it): the CPU kernel's own query
+# block for short queries, so a tile is one block of its matrix products.
+PREFILL_TILE = 32
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -37,7 +48,14 @@ class PrefillChunk:
     num_query: int
     context_len: int  # tokens with keys/values after this chunk (cached before + the chunk)
     block_ids: torch.Tensor  # pool rows (KVPool.head_block_ids) of the blocks covering the context
-    mask: torch.Tensor  # [num_query, N * block_size] additive, q's dtype: 0 where visible (causal)
+    # [tiles, PREFILL_TILE, N * block_size] additive, q's dtype: 0 where visible (causal); tile t
+    # holds positions (first_position // PREFILL_TILE + t) * PREFILL_TILE + [0, PREFILL_TILE).
+    mask: torch.Tensor
+
+    @property
+    def tile_offset(self) -> int:
+        """Padding rows before the chunk's first query in its first tile."""
+        return (self.context_len - self.num_query) % self.mask.shape[1]
 
 
 @dataclass(frozen=True)
@@ -114,12 +132,20 @@ class PagedAttention:
             start = chunk.context_len - chunk.num_query
             keys[:, start : chunk.context_len] = k.transpose(0, 1)
             values[:, start : chunk.context_len] = v.transpose(0, 1)
-        queries = q.transpose(0, 1)[None]  # [1, Hq, S, D]
-        mask = chunk.mask[None, None]  # [1, 1, S, L]
+        num_tiles, tile, _ = chunk.mask.shape
+        rows = slice(chunk.tile_offset, chunk.tile_offset + chunk.num_query)
+        padded = q.new_zeros(num_tiles * tile, *q.shape[1:])  # [n * tile, Hq, D]
+        padded[rows] = q
+        queries = padded.view(num_tiles, tile, *q.shape[1:]).transpose(1, 2)  # [n, Hq, tile, D]
         out = F.scaled_dot_product_attention(
-            queries, keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [1, Hq, S, D]
-        return out[0].transpose(0, 1)
+            queries,
+            keys[None].expand(num_tiles, -1, -1, -1),  # [n, Hkv, L, D], one copy shared by the tiles
+            values[None].expand(num_tiles, -1, -1, -1),
+            attn_mask=chunk.mask[:, None],  # [n, 1, tile, L]
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [n, Hq, tile, D]
+        return out.transpose(1, 2).reshape(num_tiles * tile, *q.shape[1:])[rows]
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +166,11 @@ def decode_mask(context_lens: torch.Tensor, padded_len: int, dtype: torch.dtype)
 def prefill_mask(
     first_position: int, num_query: int, padded_len: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[S, padded_len] causal mask for queries at positions first_position .. first_position + S - 1."""
+    """[tiles, PREFILL_TILE, padded_len] causal mask for the aligned tiles that cover queries at
+    positions first_position .. first_position + num_query - 1 (padding rows included)."""
+    first_tile = first_position // PREFILL_TILE
+    end_tile = -(-(first_position + num_query) // PREFILL_TILE)
     keys = torch.arange(padded_len, device=device)
-    queries = torch.arange(first_position, first_position + num_query, device=device)
-    return additive_mask(keys[None, :] <= queries[:, None], dtype)
+    queries = torch.arange(first_tile * PREFILL_TILE, end_tile * PREFILL_TILE, device=device)
+    visible = keys[None, :] <= queries[:, None]  # [tiles * tile, L]
+    return additive_mask(visible, dtype).view(end_tile - first_tile, PREFILL_TILE, padded_len)
