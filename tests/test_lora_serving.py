@@ -313,6 +313,66 @@ def test_requests_wait_for_a_device_slot(checkpoint: Path, source: Path, tmp_pat
         assert "LoRA adapter med loaded into device slot 0" in server.log()
 
 
+def test_a_request_parked_on_an_adapter_gone_bad_fails_in_bounded_time(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """One slot, one adapter in host memory. `hold` takes the slot; `gone-bad` is prepared and
+    waits for the slot; its file is then cut short and `third` pushes it out of host memory. When
+    the slot frees, reading `gone-bad` again fails: its request ends with the reason (it used to
+    be re-read forever, its client hanging), and the others are served."""
+    source = tmp_path / "adapters"
+    config = _config(checkpoint)
+    for seed, name in enumerate(("hold", "gone-bad", "third")):
+        write_adapter(source / name, config, seed=300 + seed)
+    env = {
+        **FP32,
+        "NIM_MODEL_NAME": str(checkpoint),
+        "NIM_PEFT_SOURCE": str(source),
+        "NIM_PEFT_REFRESH_INTERVAL": "3600",  # no rescan: the engine alone finds the file bad
+        "NIM_MAX_GPU_LORAS": "1",
+        "NIM_MAX_CPU_LORAS": "1",
+        "NIM_MAX_LORA_RANK": "8",
+    }
+    with (
+        serving(tmp_path / "server.log", env) as server,
+        httpx.Client(base_url=server.base_url, timeout=60) as http,
+    ):
+
+        def complete(model: str, max_tokens: int = TOKENS) -> httpx.Response:
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0}
+            return http.post("/v1/completions", json={**body, "ignore_eos": True})
+
+        def waiting(name: str) -> bool:
+            info = [
+                line
+                for line in http.get("/metrics").text.splitlines()
+                if line.startswith("vllm:lora_requests_info")
+            ]
+            return any(f'waiting_lora_adapters="{name}"' in line or f",{name}" in line for line in info)
+
+        with ThreadPoolExecutor(3) as pool:
+            held = pool.submit(complete, "hold", LONG)
+            deadline = time.monotonic() + 30
+            while "hold" not in http.get("/metrics").text.split("running_lora_adapters=")[-1][:40]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            bad = pool.submit(complete, "gone-bad")
+            while not waiting("gone-bad"):
+                assert time.monotonic() < deadline and not held.done()
+                time.sleep(0.01)
+            test_lora.truncate(source / "gone-bad")
+            third = pool.submit(complete, "third")
+            failed = bad.result(timeout=60)
+            assert held.result().status_code == 200 and third.result().status_code == 200
+        assert failed.status_code == 400, failed.text
+        message = failed.json()["error"]["message"]
+        assert (
+            "LoRA adapter gone-bad cannot be loaded" in message and "adapter_model.safetensors is" in message
+        )
+        assert complete("gone-bad").status_code == 404  # no longer listed
+        assert complete(NAME).status_code == 200
+
+
 def test_adapters_come_and_go_with_the_source(checkpoint: Path, tmp_path: Path) -> None:
     source = tmp_path / "adapters"
     config = _config(checkpoint)
