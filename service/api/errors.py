@@ -79,7 +79,7 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Drop pydantic's union-branch names (e.g. "str", "list[str]") so `param` is the field path.
     param = ".".join(p for p in loc if not any(ch in p for ch in "[]") and p not in {"str", "int"}) or None
-    message = first["msg"]
+    message = first["msg"].removeprefix("Value error, ")  # our validators' own words
     if first.get("type") == "missing":
         message = "field required"
     elif first.get("type") == "model_attributes_type":

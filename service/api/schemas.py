@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16
+MAX_TOKEN_ID_DIGITS = 18  # far beyond any vocabulary, and within what int() reads
 
 
 class _Request(BaseModel):
@@ -92,9 +93,12 @@ class SamplingFields(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written in ASCII digits (str.isdigit also takes "²" and "٣", which
+        int() refuses or reads as another id); 18 digits at most, so int() always reads them."""
         for key in value or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                shown = key if len(key) <= 24 else key[:24] + "..."
+                raise ValueError(f"logit_bias keys must be token ids (digits 0-9), got {shown!r}")
         return value
 
     def stop_list(self) -> tuple[str, ...]:
