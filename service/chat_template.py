@@ -26,6 +26,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -55,11 +56,18 @@ class ChatTemplate:
         try:
             ast = env.parse(source)
             template, wants_parts = env.from_string(ast), _iterates_content(ast)
+            variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         except TemplateSyntaxError as exc:
-            template, wants_parts = None, False
+            template, wants_parts, variables = None, False, frozenset()
             self._error = f"chat template is invalid: {exc.message} (line {exc.lineno})"
         self._template: jinja2.Template | None = template
         self._wants_parts = wants_parts  # pass list content through instead of joining its text
+        self._variables = variables
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template reads the variable `variable` (e.g. `tools`): one it never names
+        cannot show what is passed in it to the model."""
+        return variable in self._variables
 
     @property
     def error(self) -> str | None:
@@ -84,13 +92,16 @@ class ChatTemplate:
         """
         if self._template is None:
             raise ChatTemplateError(self._error)
-        conversation = _prepare_messages(messages, self._wants_parts)
-        variables: dict[str, Any] = {
-            "tools": None,
-            "documents": None,
-            **(special_tokens or {}),
-            **_plain(extra),
-        }
+        try:
+            conversation = _prepare_messages(messages, self._wants_parts)
+            variables: dict[str, Any] = {
+                "tools": None,
+                "documents": None,
+                **(special_tokens or {}),
+                **_plain(extra),
+            }
+        except RecursionError:
+            raise ChatTemplateError("messages or tools are nested too deeply to render") from None
         try:
             return self._template.render(
                 messages=conversation, add_generation_prompt=add_generation_prompt, **variables

@@ -137,10 +137,12 @@ class Tokenizer:
     pad_token_id: int | None = None
     templates: dict[str, str] = field(default_factory=dict, repr=False)
     template_tokens: dict[str, str] = field(default_factory=dict)
+    max_token_chars: int = field(init=False, default=1)  # no token stands for more characters of text
 
     def __post_init__(self) -> None:
         added = self.backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self.max_token_chars = _max_token_chars(self.backend)
         self._chat_templates = {name: ChatTemplate(source) for name, source in self.templates.items()}
         byte_level = "ByteLevel" in repr(self.backend.decoder)
         self._byte_decoder = {ch: b for b, ch in byte_alphabet().items()} if byte_level else None
@@ -263,9 +265,12 @@ class Tokenizer:
 
         With add_special_tokens, BOS/EOS are added as the model's tokenizer says to (SmolLM2: none).
         Rendered chat templates already contain them: encode those with add_special_tokens=False.
+        Safe to call from several threads at once.
         """
         try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch releases the GIL while it works (encode holds it: megabytes of text on a
+            # worker thread would stall the event loop for seconds); same ids, same cost.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # the Rust side rejects strings UTF-8 cannot hold (lone surrogates)
             raise InvalidTextError(
                 "text is not valid Unicode (it contains a lone UTF-16 surrogate)"
@@ -312,6 +317,12 @@ class Tokenizer:
             self.templates.pop("default", None)
             self._chat_templates.pop("default", None)
 
+    def chat_template_for(self, tools: bool = False) -> ChatTemplate | None:
+        """The template a conversation is rendered with: "tool_use", when tools are passed and the
+        model has one, else "default" (None: the model has no chat template)."""
+        name = "tool_use" if tools and "tool_use" in self._chat_templates else "default"
+        return self._chat_templates.get(name)
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
@@ -322,13 +333,23 @@ class Tokenizer:
         there is no template, it does not compile, the messages are malformed, or the template
         refuses them (`raise_exception`) or fails while rendering -- including sandbox violations.
         """
-        name = (
-            "tool_use" if extra.get("tools") is not None and "tool_use" in self._chat_templates else "default"
-        )
-        template = self._chat_templates.get(name)
+        template = self.chat_template_for(tools=extra.get("tools") is not None)
         if template is None:
             raise ChatTemplateError(NO_CHAT_TEMPLATE)
         return template.render(messages, add_generation_prompt, self.template_tokens, **extra)
+
+
+def _max_token_chars(backend: tokenizers.Tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for, so that a text of n characters
+    is at least n / bound tokens (what lets a prompt be refused as too long before it is tokenized).
+
+    A vocabulary entry is written one character per byte (byte-level BPE) or per character
+    (SentencePiece, added tokens), and a character is at least one byte, so the longest entry bounds
+    the text a token covers. A normalizer runs before the vocabulary is matched and may shorten the
+    text: Unicode composition joins up to 4 code points into one (Greek U+1FAF), hence the factor.
+    """
+    longest = max((len(piece) for piece in backend.get_vocab(with_added_tokens=True)), default=1)
+    return max(1, longest) * (4 if backend.normalizer is not None else 1)
 
 
 # ---------------------------------------------------------------------------------------------
