@@ -28,6 +28,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         "NIM_MAX_PENDING_REQUESTS": "2",
         "NIM_REQUEST_TIMEOUT_SECONDS": "1.0",
         "NIM_ALWAYS_INCLUDE_USAGE": "1",
+        "NIM_TOOL_CALL_PARSER": "hermes",  # the embedded model's chat template renders no tools
     }
     server = start_server(tmp_path_factory.mktemp("limited") / "log", env=env)
     try:
@@ -185,3 +186,16 @@ def test_streams_always_end_with_usage_when_configured(limited: ServerProcess) -
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     last = json.loads(lines[-2].removeprefix("data: "))
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+def test_tools_are_refused_where_the_chat_template_cannot_show_them(limited: ServerProcess) -> None:
+    """A configured parser reads calls back; it does not make the template render the tools."""
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    body = {"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "Time?"}], "max_tokens": 2}
+    for choice in ("auto", "required"):
+        response = httpx.post(
+            f"{limited.base_url}/v1/chat/completions", json={**body, "tools": [tool], "tool_choice": choice}
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "tools" and "does not render tools" in error["message"], error

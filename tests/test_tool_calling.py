@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from service.api.errors import APIError
 from service.api.tools import ToolSpec, detect_parser, tool_spec
+from service.chat_template import ChatTemplate
 from tests.test_quantization import _byte_level_tokenizer, serving
 from tests.test_tensor_parallel import _checkpoint
 
@@ -101,18 +103,55 @@ def test_the_format_is_recognised_from_the_template_and_bad_requests_are_400s() 
     assert detect_parser(TEMPLATE) == "hermes"
     assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_parser("{{ '<|python_tag|>' }}") == "llama3_json"
-    assert tool_spec(TOOLS, "none", None, TEMPLATE, None, True) is None
-    with pytest.raises(APIError, match="does not render tools"):
-        tool_spec(TOOLS, "auto", None, "{{ messages }}", None, True)
+    template = ChatTemplate(TEMPLATE)
+    assert tool_spec(TOOLS, "none", None, template, None, True) is None
+    with pytest.raises(APIError, match="does not render tools in a format"):
+        tool_spec(TOOLS, "auto", None, ChatTemplate("{{ tools }}{{ messages }}"), None, True)
     with pytest.raises(APIError, match="not among the tools"):
-        tool_spec(TOOLS, {"type": "function", "function": {"name": "nope"}}, None, TEMPLATE, None, True)
+        tool_spec(TOOLS, {"type": "function", "function": {"name": "nope"}}, None, template, None, True)
+    with pytest.raises(APIError, match=r"is \{type: function, function: \{name\}\}"):
+        tool_spec(TOOLS, {"type": "function", "function": "get_time"}, None, template, None, True)
     with pytest.raises(APIError, match="NIM_ENABLE_AUTO_TOOL_CHOICE=0"):
-        tool_spec(TOOLS, "auto", None, TEMPLATE, None, False)
+        tool_spec(TOOLS, "auto", None, template, None, False)
     with pytest.raises(APIError, match="tool_choice needs tools"):
-        tool_spec(None, "required", None, TEMPLATE, None, True)
-    required = tool_spec(TOOLS, "required", None, TEMPLATE, None, True)
+        tool_spec(None, "required", None, template, None, True)
+    required = tool_spec(TOOLS, "required", None, template, None, True)
     assert required is not None and required.guided() is not None
     assert required.guided().prefix == "<tool_call>\n"  # type: ignore[union-attr]
+
+
+def test_a_template_that_never_reads_tools_refuses_them_even_with_a_configured_parser() -> None:
+    blind = ChatTemplate("{% for m in messages %}<tool_call>{{ m.content }}{% endfor %}")  # markers, no tools
+    for configured in (None, "hermes"):
+        with pytest.raises(
+            APIError, match="does not render tools, so the model would never see them"
+        ) as info:
+            tool_spec(TOOLS, "auto", None, blind, configured, True)  # type: ignore[arg-type]
+        assert info.value.param == "tools"
+    assert tool_spec(TOOLS, "none", None, blind, "hermes", True) is None  # no tools in play: nothing to show
+
+
+def test_duplicate_function_names_are_refused() -> None:
+    with pytest.raises(APIError, match="two tools are named 'get_time'") as info:
+        tool_spec([*TOOLS, TOOLS[1]], "auto", None, ChatTemplate(TEMPLATE), None, True)
+    assert info.value.param == "tools.2.function.name"
+
+
+def test_a_single_call_is_stopped_at_its_end_under_hermes_and_trimmed_elsewhere() -> None:
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'  # as the stop string left it
+    single = _spec("hermes", parallel=False)
+    assert single.stop == ("</tool_call>",)
+    assert _spec("hermes").stop == () and _spec("hermes", "required", parallel=False).stop == ()
+    assert _spec("llama3_json", parallel=False).stop == () and _spec("mistral", parallel=False).stop == ()
+    content, calls = single.parse("Checking. " + one)
+    assert content == "Checking." and [c.name for c in calls] == ["get_time"]
+    assert _spec("hermes").parse(one) == (one, [])  # unterminated, and no stop string ended it
+    assert single.parse('<tool_call>{"name": "get_time", "argu') == (
+        '<tool_call>{"name": "get_time", "argu',
+        [],
+    )
+    two = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]'
+    assert len(_spec("mistral", parallel=False).parse(two)[1]) == 1
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +263,57 @@ def test_streamed_text_is_held_back_only_where_a_call_may_start() -> None:
     assert [c.name for c in llama.finish()[1]] == ["get_time"]
     words = ToolStream(_spec("llama3_json"))
     assert words.feed("Hello {") == "Hello {"  # an answer that starts with words is content
+
+
+def _two_calls_regex() -> tuple[str, str]:
+    """Two hermes calls as the answer, forced by a regex (random weights never call on their own),
+    and the text of the first call alone."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    escaped = "".join("\\" + ch if ch in "\\.^$*+?{}[]|()" else ch for ch in call).replace("\n", "\\n")
+    return escaped + "\\n" + escaped, call
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_stops_after_the_first_call(server, stream: bool) -> None:
+    """Not one call kept and the rest generated and dropped: generation ends with the first call."""
+    regex, first = _two_calls_regex()
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "What time is it in UTC and CET?"}],
+        "tools": TOOLS,
+        "guided_regex": regex,
+        "max_tokens": 400,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
+    for parallel, expected in ((True, 2), (False, 1)):
+        kwargs = {**body, "parallel_tool_calls": parallel}
+        if not stream:
+            reply = httpx.post(f"{server.base_url}/v1/chat/completions", json=kwargs, timeout=120).json()
+            choice = reply["choices"][0]
+            calls, finish, used = choice["message"]["tool_calls"], choice["finish_reason"], reply["usage"]
+        else:
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/chat/completions", json={**kwargs, "stream": True}, timeout=120
+            ) as r:
+                chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            deltas = [c["choices"][0] for c in chunks if c["choices"]]
+            calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+            finish, used = deltas[-1]["finish_reason"], chunks[-1]["usage"]
+            assert not "".join(d["delta"].get("content") or "" for d in deltas)
+        assert finish == "tool_calls" and len(calls) == expected, (parallel, calls)
+        assert all(json.loads(c["function"]["arguments"]) == {"zone": "UTC"} for c in calls)
+        if not parallel:  # the byte-level vocabulary: about one token per byte of the first call
+            assert used["completion_tokens"] <= len(first.encode()) + 2, used
+
+
+def test_duplicate_tool_names_are_a_400_naming_the_name(server) -> None:
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [TOOLS[0], TOOLS[1], {"type": "function", "function": {"name": "get_time"}}],
+        "max_tokens": 4,
+    }
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "get_time" in error["message"] and error["param"] == "tools.2.function.name"

@@ -93,8 +93,10 @@ def sampling_params(
     vocab_size: int,
     logprobs: LogprobRequest,
     guided: GuidedDecoding | None = None,
+    extra_stop: tuple[str, ...] = (),
 ) -> SamplingParams:
-    """Map OpenAI/vLLM/nvext fields onto engine parameters; 400 for values the model cannot take."""
+    """Map OpenAI/vLLM/nvext fields onto engine parameters; 400 for values the model cannot take.
+    `extra_stop` are stop strings the server adds (e.g. the end of a tool call)."""
     nvext = request.nvext
     top_k = request.top_k if request.top_k is not None else (nvext.top_k if nvext else None)
     repetition = request.repetition_penalty
@@ -121,7 +123,7 @@ def sampling_params(
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=logit_bias,
         seed=seed,
-        stop=request.stop_list(),
+        stop=tuple(dict.fromkeys((*request.stop_list(), *extra_stop))),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=ignore_eos,
@@ -289,6 +291,7 @@ def build_requests(
     logprobs: LogprobRequest,
     adapter: str | None = None,
     guided: GuidedDecoding | None = None,
+    extra_stop: tuple[str, ...] = (),
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice); choice index = prompt_index * n + j; all run
     `adapter` (a LoRA adapter's name) or the base model."""
@@ -298,7 +301,7 @@ def build_requests(
         GenerationRequest(
             request_id=f"{request_id}-{unique}-{p * request.n + j}",
             prompt_token_ids=prompt,
-            sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs, guided),
+            sampling=sampling_params(request, max_tokens[p], j, vocab_size, logprobs, guided, extra_stop),
             arrival_time=now,
             adapter=adapter,
         )

@@ -154,12 +154,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
     reject_unsupported(body)
     limits = _state(request).limits
-    templates = ready.tokenizer.templates
     tools = tool_spec(
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        templates.get("tool_use") or templates.get("default"),
+        ready.tokenizer.chat_template_for(tools=True),
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )
@@ -189,8 +188,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
+    stop = tools.stop if tools is not None else ()
     engine_requests = build_requests(
-        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided
+        request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided, stop
     )
     await _check(ready, engine_requests)
     state.admit()

@@ -9,24 +9,34 @@ family's format, which a parser reads back:
   after `<|python_tag|>`, several separated by `;`;
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
 
-The parser is chosen from the chat template (the markers it renders), or NIM_TOOL_CALL_PARSER.
+The parser is chosen from the chat template (the markers it renders), or NIM_TOOL_CALL_PARSER;
+a template that never reads `tools` cannot show them to the model, and tools are refused for it.
 `tool_choice`: `none` renders no tools and parses nothing; `auto` (the default with tools) parses
 the answer, and text that is not a well-formed call of a known function stays content (never an
 empty tool_calls list); `required` and a named function constrain the output with a grammar
 (service.engine GuidedDecoding: the call's JSON, its parameters' schema, between the format's
 markers), so the call always parses and its arguments validate.
+
+`parallel_tool_calls: false` promises at most one call. A grammar (required, named) makes exactly
+one. Under auto, a hermes answer is stopped at the end of its first call (the close marker is a
+stop string), so no second call is ever generated; llama3_json and mistral write all calls as one
+unit, so a second call there is dropped, and the drop is logged with the request's id.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from service.api.errors import invalid_request
+from service.chat_template import ChatTemplate
 from service.engine.protocol import GuidedDecoding
+
+log = logging.getLogger(__name__)
 
 ParserName = Literal["hermes", "llama3_json", "mistral"]
 PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json", "mistral")
@@ -36,6 +46,7 @@ _MARKERS: dict[ParserName, str] = {
     "mistral": "[TOOL_CALLS]",
     "llama3_json": "<|python_tag|>",
 }
+_HERMES_END = "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,14 @@ class ToolSpec:
     def forced(self) -> bool:
         return self.choice not in (None, "auto")
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings the answer needs: the end of the first call, when only one may be made
+        and the format marks where a call ends (hermes; a grammar already makes one call)."""
+        if self.parallel or self.forced or self.parser != "hermes":
+            return ()
+        return (_HERMES_END,)
+
     def guided(self) -> GuidedDecoding | None:
         """The grammar that makes the answer one call (required / named), or None for auto."""
         if not self.forced:
@@ -91,10 +110,15 @@ class ToolSpec:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) from a finished answer; calls is empty when it is not well formed."""
-        calls = _PARSE[self.parser](text)
+        parsed = text
+        if self.stop and text.count("<tool_call>") > text.count(_HERMES_END):
+            parsed += _HERMES_END  # the stop string ended the call, and is not in the text
+        calls = _PARSE[self.parser](parsed)
         if calls is None or not calls or any(c.name not in self.functions for c in calls):
             return text, []
-        if not self.parallel:
+        if not self.parallel and len(calls) > 1:
+            log.warning("parallel_tool_calls is false but the model made %d tool calls (%s); only the "
+                        "first is returned", len(calls), self.parser)  # fmt: skip
             calls = calls[:1]
         content = text.split("<tool_call>", 1)[0].strip() if self.parser == "hermes" else ""
         return content or None, calls
@@ -154,11 +178,12 @@ def tool_spec(
     tools: list[dict[str, Any]] | None,
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool | None,
-    template: str | None,
+    template: ChatTemplate | None,
     configured: ParserName | None,
     auto_enabled: bool,
 ) -> ToolSpec | None:
-    """The request's tools, checked (400s name the field), or None when no tool is in play."""
+    """The request's tools, checked (400s name the field), or None when no tool is in play.
+    `template` is the chat template the conversation will be rendered with."""
     if tool_choice is not None and not tools:
         raise invalid_request("tool_choice needs tools", "tool_choice")
     if not tools:
@@ -175,6 +200,10 @@ def tool_spec(
             raise invalid_request(
                 "function names are 1-64 letters, digits, '_', '.', '-'", f"tools.{i}.function.name"
             )
+        if name in functions:
+            raise invalid_request(
+                f"two tools are named {name!r}; function names must be unique", f"tools.{i}.function.name"
+            )
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise invalid_request(
@@ -184,7 +213,14 @@ def tool_spec(
     choice = _choice(tool_choice, functions)
     if choice is None:
         return None
-    parser = configured or detect_parser(template)
+    if template is not None and not template.reads("tools"):
+        raise invalid_request(
+            "this model's chat template does not render tools, so the model would never see them; "
+            "describe the tools in a system message and send no tools, or serve a model whose chat "
+            "template renders them",
+            "tools",
+        )
+    parser = configured or detect_parser(template.source if template is not None else None)
     if parser is None:
         raise invalid_request(
             "this model's chat template does not render tools in a format this server parses "
@@ -221,7 +257,10 @@ def _choice(tool_choice: str | dict[str, Any] | None, functions: dict[str, dict[
     if tool_choice == "required":
         return "required"
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise invalid_request("a named tool_choice is {type: function, function: {name}}", "tool_choice")
         if name not in functions:
             raise invalid_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return str(name)
