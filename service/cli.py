@@ -136,7 +136,9 @@ def serve(settings: Settings) -> int:
         access_log=False,  # service.access logs each request with its id, status and time
         **tls_options(settings),
     )
-    server = DrainingServer(config, state.begin_drain, state.busy, settings.shutdown_grace_seconds)
+    server = DrainingServer(
+        config, state.begin_drain, state.busy, settings.shutdown_grace_seconds, state.stop_engine
+    )
     scheme = "http" if settings.ssl_mode == "DISABLED" else "https"
     log.info(
         "listening on %s://%s:%d (NIM_SSL_MODE=%s)", scheme, settings.host, settings.port, settings.ssl_mode

@@ -261,3 +261,31 @@ def test_a_size_the_model_does_not_divide_is_one_line_at_start(checkpoint: Path,
 
 
 torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stream_outlasting_the_shutdown_grace_ends_with_an_error_frame(
+    checkpoint: Path, tmp_path: Path, tp: int
+) -> None:
+    """SIGTERM with a stream that outlasts NIM_SHUTDOWN_GRACE_SECONDS: when the grace is over the
+    stream gets an error frame saying the server is shutting down, then [DONE] (it used to be cut
+    off with neither); the process exits 0 and no rank outlives it."""
+    env = {"NIM_MODEL_NAME": str(checkpoint), **_profile("fp32", tp), "NIM_SHUTDOWN_GRACE_SECONDS": "0"}
+    with _ranked_server(tmp_path / "server.log", env) if tp > 1 else contextlib.nullcontext() as ranked:
+        if ranked is None:
+            server = start_server(tmp_path / "server.log", env=env)
+            wait_ready(server)
+            ranks: list[int] = []
+        else:
+            server, ranks = ranked
+        reader, frames, streaming = _stream_in_background(server)
+        assert streaming.wait(60), server.log()
+        server.process.send_signal(signal.SIGTERM)
+        reader.join(90)
+        assert not reader.is_alive()
+        assert frames[-1] == "data: [DONE]", frames[-3:]
+        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"], error
+        assert sum('"text"' in frame for frame in frames) < 400  # cut short by the grace period
+        assert server.process.wait(60) == 0, server.log()
+        assert _all_gone(ranks), "a rank outlived the server"

@@ -58,8 +58,7 @@ def create_app(
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loading
-            if state.model is not None:
-                await state.model.engine.stop()
+            await state.stop_engine()
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # flush the spans still buffered
 

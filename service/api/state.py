@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -94,6 +95,7 @@ class ServiceState:
     failure: str | None = None
 
     in_flight: int = 0  # generation requests being served (streams until their last byte)
+    _engine_stop: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.engine_stats = EngineStatsCollector(self.served_name)
@@ -123,6 +125,16 @@ class ServiceState:
     def begin_drain(self) -> None:
         """Shutting down: readiness and new requests get 503; what is in flight finishes."""
         self.phase = "stopping"
+
+    async def stop_engine(self) -> None:
+        """Stop the engine, once however often asked (the drain's end, then the app's): requests
+        still in flight end as aborted, so each stream sends its error frame and [DONE] while its
+        connection is still open."""
+        if self.model is None:
+            return
+        if self._engine_stop is None:
+            self._engine_stop = asyncio.ensure_future(self.model.engine.stop())
+        await asyncio.shield(self._engine_stop)
 
     def busy(self) -> bool:
         if self.in_flight:
