@@ -9,6 +9,12 @@ import pytest
 from tests.conftest import EMBEDDED_NAME
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+CALL_AS_STRING = {"id": "call_1", "type": "function", "function": "get_time"}
+DEEP: list = []
+for _ in range(600):  # nested deeper than a chat template can be handed it
+    DEEP = [DEEP]
 
 
 def assert_error(response: httpx.Response, status: int, type_: str, code: str | None = None) -> dict:
@@ -67,6 +73,21 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),  # str.isdigit takes it, int() does not
+        ({"logit_bias": {"٣": 1}}, "logit_bias"),  # int() reads it as 3: not a token id as written
+        ({"logit_bias": {"１": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past what int() reads
+        (
+            {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [CALL_AS_STRING]}]},
+            "messages.1.tool_calls.0.function",
+        ),
+        (
+            {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{**CALL, "extra": DEEP}]}]},
+            "messages",
+        ),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
+        ({"tools": [TOOL, TOOL]}, "tools.1.function.name"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -99,7 +120,15 @@ def test_missing_field_is_400(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(
     "patch",
-    [{"prompt": ""}, {"prompt": []}, {"prompt": [999999]}, {"suffix": "x"}, {"logprobs": 9}, {"best_of": 3}],
+    [
+        {"prompt": ""},
+        {"prompt": []},
+        {"prompt": [999999]},
+        {"suffix": "x"},
+        {"logprobs": 9},
+        {"best_of": 3},
+        {"logit_bias": {"²": 1}},
+    ],
 )
 def test_invalid_completion_parameters_are_400(http: httpx.Client, patch: dict) -> None:
     body = {"model": EMBEDDED_NAME, "prompt": "Hi", "max_tokens": 4, **patch}
@@ -133,6 +162,15 @@ def test_prompt_longer_than_context_names_both_numbers(http: httpx.Client, base_
     )
     error = assert_error(response, 400, "invalid_request_error", "context_length_exceeded")
     assert str(max_len) in error["message"]
+
+
+def test_tool_call_arguments_that_are_not_json_reach_the_template_as_text(http: httpx.Client) -> None:
+    for arguments in ("not json", "[" * 100_000):  # the second nests past what json.loads reads
+        call = {**CALL, "function": {"name": "get_time", "arguments": arguments}}
+        messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "Hi"}]
+        body = {"model": EMBEDDED_NAME, "messages": messages, "max_tokens": 2}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

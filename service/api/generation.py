@@ -34,6 +34,32 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{current_request_id() or uuid.uuid4().hex}"
 
 
+def check_prompt_chars(
+    num_chars: int,
+    max_token_chars: int,
+    max_model_len: int,
+    param: str,
+    limits: ApiLimits | None = None,
+) -> None:
+    """400 for prompt text too long to fit whatever its tokens, before it is templated or tokenized
+    (megabytes take seconds). No token stands for more than `max_token_chars` characters, so the
+    text is at least num_chars / max_token_chars tokens, and the prompt must leave one for the answer."""
+    cap = limits.max_prompt_tokens if limits else None
+    fits = max_model_len - 1 if cap is None else min(cap, max_model_len - 1)
+    if num_chars <= fits * max_token_chars:
+        return
+    by_context = fits == max_model_len - 1
+    raise invalid_request(
+        f"The prompt has {num_chars} characters, more than "
+        + (f"this model's maximum context length of {max_model_len} tokens" if by_context
+           else f"the {fits} tokens this server accepts in a prompt")
+        + f" can hold (a token of this model stands for at most {max_token_chars} characters). "
+        "Please reduce the length of the prompt.",
+        param,
+        "context_length_exceeded" if by_context else None,
+    )  # fmt: skip
+
+
 def check_context(
     num_prompt_tokens: int,
     max_tokens: int | None,

@@ -20,6 +20,7 @@ from service.api.generation import (
     LogprobRequest,
     build_requests,
     check_context,
+    check_prompt_chars,
     client_finish_reason,
     collect,
     ended_badly,
@@ -56,7 +57,7 @@ from service.api.schemas import (
 from service.api.state import Ready, ServiceState
 from service.api.tools import ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
-from service.tokenizer import ChatTemplateError
+from service.tokenizer import ChatTemplateError, Tokenizer
 from service.tracing import annotate
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,21 @@ async def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
             raise invalid_request(str(exc), None) from None
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def _chat_prompt(
+    tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """The conversation's prompt tokens: rendered by the chat template, then tokenized. Slow for
+    long conversations (seconds for megabytes): run it off the event loop."""
+    rendered = [_template_message(m, i) for i, m in enumerate(messages)]
+    try:
+        extra = {"tools": tools} if tools is not None else {}
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as chat templates take it: tool calls (arguments as objects) and tool results too."""
     extra = message.model_extra or {}
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
@@ -114,15 +129,24 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = extra["tool_call_id"]
     calls = extra.get("tool_calls")
     if message.role == "assistant" and isinstance(calls, list):
-        out["tool_calls"] = [_template_call(call) for call in calls if isinstance(call, dict)]
+        out["tool_calls"] = [
+            _template_call(call, f"messages.{index}.tool_calls.{j}")
+            for j, call in enumerate(calls)
+            if isinstance(call, dict)
+        ]
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+def _template_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise invalid_request(
+            "a tool call's function must be an object {name, arguments}", f"{param}.function"
+        )
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON: the template gets the text
             function["arguments"] = json.loads(arguments)
     return {**call, "type": call.get("type", "function"), "function": function}
 
@@ -171,17 +195,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
-    messages = [_template_message(m) for m in body.messages]
-    try:
-        extra = {"tools": body.tools} if tools is not None else {}
-        prompt_text = ready.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from None
-    prompt = ready.tokenizer.encode(prompt_text, add_special_tokens=False)
+    max_model_len = ready.info.max_model_len
+    num_chars = sum(len(m.text()) for m in body.messages)  # the prompt holds at least these
+    check_prompt_chars(num_chars, ready.tokenizer.max_token_chars, max_model_len, "messages", limits)
+    tools_shown = body.tools if tools is not None else None
+    prompt = await asyncio.to_thread(_chat_prompt, ready.tokenizer, body.messages, tools_shown)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
     state = _state(request)
-    budget = check_context(len(prompt), max_tokens, ready.info.max_model_len, param, state.limits)
+    budget = check_context(len(prompt), max_tokens, max_model_len, param, state.limits)
 
     request_id = new_id("chatcmpl")
     _trace_request("chat", body, request_id, budget)
@@ -296,16 +318,20 @@ async def completions(body: CompletionRequest, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise invalid_request("best_of other than n is not supported by this server yet", "best_of")
 
-    prompts = _completion_prompts(body, ready)
+    state = _state(request)
+    max_model_len = ready.info.max_model_len
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    for text in texts:
+        if isinstance(text, str):
+            check_prompt_chars(
+                len(text), ready.tokenizer.max_token_chars, max_model_len, "prompt", state.limits
+            )
+    prompts = await asyncio.to_thread(_completion_prompts, body, ready)
+    budgets = [check_context(len(p), body.max_tokens, max_model_len, "prompt", state.limits) for p in prompts]
     vocab = ready.tokenizer.vocab_size
-    for prompt in prompts:
+    for prompt in prompts:  # after the length check: each is at most the context
         if any(not 0 <= t < vocab for t in prompt):
             raise invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    state = _state(request)
-    budgets = [
-        check_context(len(p), body.max_tokens, ready.info.max_model_len, "prompt", state.limits)
-        for p in prompts
-    ]
     echoes = [ready.tokenizer.decode(p, skip_special_tokens=False) if body.echo else "" for p in prompts]
 
     request_id = new_id("cmpl")
@@ -356,6 +382,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 def _completion_prompts(body: CompletionRequest, ready: Ready) -> list[list[int]]:
+    """The prompts' tokens (slow for long texts: run it off the event loop)."""
     # Validation made the prompt a string or a list of one kind: strings, token ids or token id lists.
     prompt = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if not prompt:
@@ -518,18 +545,20 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     ready = _ready_for(_state(request), body.model)
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("send exactly one of prompt or messages", "prompt")
-    if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = ready.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt
-            )
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "messages") from None
-        tokens = ready.tokenizer.encode(text, add_special_tokens=False)
-    else:
-        tokens = ready.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    tokens = await asyncio.to_thread(_tokens, ready.tokenizer, body)
     return TokenizeResponse(count=len(tokens), max_model_len=ready.info.max_model_len, tokens=tokens)
+
+
+def _tokens(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
+    """What /tokenize counts (slow for long texts: run it off the event loop)."""
+    if body.messages is None:
+        return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @tokens_router.post("/detokenize", response_model=DetokenizeResponse)
