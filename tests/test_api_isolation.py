@@ -1,5 +1,6 @@
 """A request's cost stays with it, over real HTTP: a huge prompt is refused before it is tokenized,
-and a large one is tokenized off the event loop (probes keep answering)."""
+a large one is tokenized off the event loop (probes keep answering), and a non-streamed request
+whose client has gone stops generating."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import EMBEDDED_NAME
 
@@ -15,6 +17,11 @@ from tests.conftest import EMBEDDED_NAME
 # (8191 x 81) and take about a second to tokenize, into far more tokens than the context holds.
 LARGE_PROMPT = "猫" * 600_000
 HEALTH_STALL_S = 0.5  # what the event loop may take to answer a probe while large prompts are tokenized
+
+
+def gauge(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/v1/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name + "{")).rsplit(" ", 1)[1])
 
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(base_url: str) -> None:
@@ -66,3 +73,24 @@ def test_probes_answer_while_large_prompts_are_tokenized(base_url: str) -> None:
         prober.join()
     assert max(latencies) < HEALTH_STALL_S, f"a probe waited {max(latencies):.2f} s (of {busy:.2f} s busy)"
     assert len(latencies) > 10, (latencies, busy)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to a million."}]}),
+        ("/v1/completions", {"prompt": "Count:", "n": 2}),
+    ],
+    ids=["chat", "completions-n2"],
+)
+def test_a_request_whose_client_left_stops_generating(base_url: str, path: str, body: dict) -> None:
+    # Thousands of tokens: tens of seconds on a CPU, longer than the client waits by far.
+    request = {"model": EMBEDDED_NAME, "max_tokens": 6000, "ignore_eos": True, "temperature": 0, **body}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}{path}", json=request, timeout=httpx.Timeout(10, read=1.5))
+    gave_up = time.monotonic()
+    while gauge(base_url, "vllm:num_requests_running") or gauge(base_url, "vllm:num_requests_waiting"):
+        assert time.monotonic() - gave_up < 5, "the engine still generates for a client that left"
+        time.sleep(0.05)
+    ok = httpx.post(f"{base_url}{path}", json={**request, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2 * body.get("n", 1)

@@ -7,8 +7,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -61,6 +61,7 @@ from service.tokenizer import ChatTemplateError, Tokenizer
 from service.tracing import annotate
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
@@ -151,6 +152,30 @@ def _template_call(call: dict[str, Any], param: str) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": function}
 
 
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, or, when the client disconnects first, `work` cancelled (which aborts its
+    engine requests: an answer nobody will read is not generated to the end) and a 499."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        gone.cancel()
+        await asyncio.wait((task, gone))  # the engine has been told to abort before we go on
+    if task.cancelled():
+        log.info("client disconnected; its generation was aborted")
+        raise APIError(499, "the client disconnected before the answer was ready", "invalid_request_error",
+                       None, "client_disconnected")  # fmt: skip
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
@@ -230,7 +255,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             state,
         )
     try:
-        results = await collect(ready.engine, engine_requests, state.limits.request_timeout_seconds)
+        timeout_s = state.limits.request_timeout_seconds
+        results = await _unless_disconnected(request, collect(ready.engine, engine_requests, timeout_s))
     finally:
         state.release()
     choices = []
@@ -353,7 +379,8 @@ async def completions(body: CompletionRequest, request: Request):
             state,
         )
     try:
-        results = await collect(ready.engine, engine_requests, state.limits.request_timeout_seconds)
+        timeout_s = state.limits.request_timeout_seconds
+        results = await _unless_disconnected(request, collect(ready.engine, engine_requests, timeout_s))
     finally:
         state.release()
     choices = []
