@@ -317,3 +317,21 @@ def test_duplicate_tool_names_are_a_400_naming_the_name(server) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "get_time" in error["message"] and error["param"] == "tools.2.function.name"
+
+
+def test_deeply_nested_parameters_are_never_a_500(server) -> None:
+    for depth in (300, 600, 900):  # the last nears what the request's JSON parser reads
+        parameters: dict = {"type": "string"}
+        for _ in range(depth):
+            parameters = {"type": "array", "items": parameters}
+        tool = {"type": "function", "function": {"name": "deep", "parameters": parameters}}
+        for choice in ("auto", "required"):
+            body = {
+                "model": NAME,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [tool],
+                "tool_choice": choice,
+                "max_tokens": 2,
+            }
+            response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+            assert response.status_code in (200, 400), (depth, choice, response.text)
