@@ -77,6 +77,7 @@ def test_hermes_calls_parse_and_malformed_ones_stay_content() -> None:
         '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not offered
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         "no call at all",
+        '<tool_call>{"name": "get_time", "arguments": ' + "[" * 100_000 + "</tool_call>",  # past json's depth
     ):
         assert spec.parse(bad) == (bad, [])
 

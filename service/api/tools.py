@@ -113,7 +113,10 @@ class ToolSpec:
         parsed = text
         if self.stop and text.count("<tool_call>") > text.count(_HERMES_END):
             parsed += _HERMES_END  # the stop string ended the call, and is not in the text
-        calls = _PARSE[self.parser](parsed)
+        try:
+            calls = _PARSE[self.parser](parsed)
+        except RecursionError:  # JSON nested past what json reads: not a call
+            calls = None
         if calls is None or not calls or any(c.name not in self.functions for c in calls):
             return text, []
         if not self.parallel and len(calls) > 1:
