@@ -178,3 +178,44 @@ def test_a_constraint_no_text_satisfies_fails_its_own_request(base_url: str, pat
         assert client.get("/v1/health/ready").status_code == 200
         metrics = client.get("/v1/metrics").text
         assert "num_requests_running 0.0" in metrics
+
+
+def test_a_request_whose_keys_turned_nan_leaves_no_trace(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN in a request's keys and values (an overflow in its own computation) ends it; its blocks
+    are unpublished and zeroed before reuse, since attention reads a block's unwritten tail as
+    masked entries that contribute zero only while finite: later requests answer as before."""
+    from service.engine.torch import model_runner
+
+    batch = _mixed_batch(engine)
+    engine.pool.reset_cache()
+    clean = run_all(engine, batch)
+    wait_idle(engine)
+    victim = _victim(engine)
+    original = model_runner.sample
+    poisoned_blocks: list[int] = []
+
+    def sample(logits: torch.Tensor, rows):
+        for i, row in enumerate(rows):
+            if row.params.seed == POISON_SEED:
+                poisoned_blocks[:] = [block.block_id for block in engine.kv.block_tables["victim"]]
+                for layer in engine.kv_pool.data:
+                    layer[:, :, poisoned_blocks] = float("nan")
+                logits[i, 0] = float("nan")
+        return original(logits, rows)
+
+    monkeypatch.setattr(model_runner, "sample", sample)
+    failed = run_all(engine, [victim])["victim"].outputs[-1]
+    monkeypatch.undo()
+    assert failed.error and failed.error_cause == "engine"
+    wait_idle(engine)
+    # Unpublished: the same prompt again finds nothing cached.
+    again = run_all(engine, [GenerationRequest("again", victim.prompt_token_ids, victim.sampling)])["again"]
+    assert again.outputs[-1].num_cached_tokens == 0 and not again.outputs[-1].error
+    assert all(bool(torch.isfinite(layer[:, :, poisoned_blocks]).all()) for layer in engine.kv_pool.data)
+    engine.pool.reset_cache()
+    after = run_all(engine, batch)
+    for request in batch:
+        assert _signature(after[request.request_id]) == _signature(clean[request.request_id])
+    wait_idle(engine)

@@ -112,6 +112,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def forget(self, block: Block) -> None:
+        """Unpublish one block: no later lookup finds it (its contents are not to be reused)."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
     def reset_cache(self) -> None:
         """Forget every cached hash (e.g. after the cache contents were invalidated)."""
         for block in self._cached.values():

@@ -570,7 +570,7 @@ class TorchEngine:
         plan = self._plan(scheduled)
         result = self.runner.execute(plan)
         for request_id, failure in result.failed.items():  # before their blocks are published
-            self._fail(request_id, failure.message, failure.cause)
+            self._fail(request_id, failure.message, failure.cause, discard=failure.non_finite)
         self.scheduler.step_done(scheduled)
         with contextlib.ExitStack() as holding:
             with self._outboxes_lock:
@@ -611,7 +611,8 @@ class TorchEngine:
             )
         ended, self._ended = tuple(self._ended), []
         fills, self._lora_fills = tuple(self._lora_fills), []
-        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended, fills)
+        cleared, self.kv.to_clear = tuple(self.kv.to_clear), []
+        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended, fills, cleared)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         for request_id, entries in result.prompt_logprobs.items():
@@ -637,22 +638,23 @@ class TorchEngine:
             logprobs = [token.logprob] if token.logprob else None
             self._emit(live, text, [token.token_id], reason, logprobs, now)
 
-    def _end(self, live: _Live) -> None:
-        """`live` is done: its blocks and slot are freed now; the runner forgets it next step."""
+    def _end(self, live: _Live, discard: bool = False) -> None:
+        """`live` is done: its blocks and slot are freed now (with `discard`, its blocks are also
+        unpublished and zeroed before reuse); the runner forgets it next step."""
         request_id = live.request.request_id
-        if self.scheduler.abort(request_id) is None and request_id in self._slot_waiting:
+        if self.scheduler.abort(request_id, discard) is None and request_id in self._slot_waiting:
             self._slot_waiting.remove(request_id)
         del self._live[request_id]
         self._release_slot(live)
         self._ended.append(request_id)
 
-    def _fail(self, request_id: str, message: str, cause: ErrorCause) -> None:
+    def _fail(self, request_id: str, message: str, cause: ErrorCause, discard: bool = False) -> None:
         """End one request with an error; the step, the batch and the engine go on."""
         live = self._live.get(request_id)
         if live is None:
             return
         log.warning("request %s failed: %s", request_id, message)
-        self._end(live)
+        self._end(live, discard)
         request = live.request
         live.sink(
             RequestOutput(

@@ -22,6 +22,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.to_clear: list[int] = []  # blocks discarded since the last plan, to zero before reuse
 
     def cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached full blocks that starts the request's tokens.
@@ -108,10 +109,19 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i])
         self._num_registered[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
-        """Return the request's blocks; tail first, so its shared prefix is evicted last."""
+    def free(self, request: Request, discard: bool = False) -> None:
+        """Return the request's blocks; tail first, so its shared prefix is evicted last.
+
+        With `discard` (its keys and values may be non-finite) the blocks only it holds are
+        unpublished and queued in `to_clear`, so they are zeroed before anyone else uses them.
+        """
         table = self.block_tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        if discard:
+            for block in table:
+                if block.ref_count == 1:
+                    self.pool.forget(block)
+                    self.to_clear.append(block.block_id)
         self.pool.release(table[::-1])
 
     def block_table(self, request: Request) -> list[int]:

@@ -81,6 +81,16 @@ class KVPool:
         if spec.quantized:
             self.scales = [torch.zeros(shape[:-1], dtype=_SCALE_DTYPE, device=device) for _ in layers]
 
+    def clear(self, block_ids: tuple[int, ...]) -> None:
+        """Zero these blocks in every layer. Attention reads a block's unwritten tail as masked
+        keys and values, which contribute exact zeros only while they are finite (0 * NaN is NaN):
+        blocks a request left non-finite are cleared before anyone else can use them."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data[0].device)
+        for layer in range(self.spec.num_layers):
+            self.data[layer].index_fill_(2, index, 0)
+            if self.scales is not None:
+                self.scales[layer].index_fill_(2, index, 0)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [T] int64; k, v: [T, Hkv, D] (any strides)."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim

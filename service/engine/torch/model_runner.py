@@ -77,6 +77,7 @@ class RowFailure:
 
     message: str
     cause: ErrorCause  # "request": the request's own fault (a 400 before its response starts)
+    non_finite: bool = False  # its keys and values may hold NaN/inf: its blocks are discarded
 
 
 @dataclass(frozen=True)
@@ -124,14 +125,17 @@ class ModelRunner:
     def num_live_requests(self) -> int:
         return len(self._rows)
 
-    def fill_slots(self, plan: StepPlan) -> None:
-        """Copy the adapters the plan places into their LoRA slots (every rank, before the step)."""
+    def prepare_step(self, plan: StepPlan) -> None:
+        """Every rank, before the step: zero the KV blocks the plan clears and copy the adapters
+        it places into their LoRA slots."""
+        if plan.cleared_blocks:
+            self.pool.clear(plan.cleared_blocks)
         for slot, adapter in plan.lora_fills:
             assert self.lora is not None, "LoRA fills for a model without slots"
             self.lora.fill(slot, adapter)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self.fill_slots(plan)
+        self.prepare_step(plan)
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
         failed: dict[str, RowFailure] = {}
@@ -172,8 +176,8 @@ class ModelRunner:
             if request_id in failed:
                 continue
             if token.error is not None:
-                cause: ErrorCause = "engine" if token.error == NOT_A_NUMBER else "request"
-                failed[request_id] = RowFailure(token.error, cause)
+                nan = token.error == NOT_A_NUMBER
+                failed[request_id] = RowFailure(token.error, "engine" if nan else "request", nan)
                 continue
             state.token_ids.append(token.token_id)
             if state.guided is not None and not state.guided.accept(token.token_id):

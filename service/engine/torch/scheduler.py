@@ -73,12 +73,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, discard: bool = False) -> Request | None:
+        """Remove a request from either queue and free its blocks (`discard`: KVCacheManager.free)."""
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
-                    self._release(request)
+                    self._release(request, discard)
                     return request
         return None
 
@@ -86,9 +87,9 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, discard: bool = False) -> None:
         request.status = RequestStatus.FINISHED
-        self.kv.free(request)
+        self.kv.free(request, discard)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

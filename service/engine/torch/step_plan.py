@@ -48,6 +48,7 @@ class StepPlan:
     new_requests: tuple[NewRequest, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
     lora_fills: tuple[tuple[int, LoraAdapter], ...] = ()  # (slot, adapter): fill before this step
+    cleared_blocks: tuple[int, ...] = ()  # KV blocks to zero before this step (KVPool.clear)
 
     @property
     def num_sequences(self) -> int:
@@ -87,6 +88,7 @@ def build_plan(
     new_requests: tuple[NewRequest, ...] = (),
     finished_request_ids: tuple[str, ...] = (),
     lora_fills: tuple[tuple[int, LoraAdapter], ...] = (),
+    cleared_blocks: tuple[int, ...] = (),
 ) -> StepPlan:
     """Order decodes first and flatten tokens, positions and cache slots."""
     ordered = sorted(sequences, key=lambda s: s.num_tokens != 1)  # stable: order kept within groups
@@ -117,4 +119,5 @@ def build_plan(
         new_requests=new_requests,
         finished_request_ids=finished_request_ids,
         lora_fills=lora_fills,
+        cleared_blocks=cleared_blocks,
     )

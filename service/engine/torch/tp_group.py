@@ -275,6 +275,6 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
             plan: StepPlan | None = pickle.loads(pipe.recv_bytes())
             if plan is None:
                 break
-            runner.fill_slots(plan)
+            runner.prepare_step(plan)
             runner.forward(plan)
     dist.destroy_process_group()
