@@ -12,7 +12,17 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.engine.config import DeviceKind, DType, KVCacheDType, LoraConfig
+from service.engine.config import (
+    DEFAULT_GUIDED_CACHE_BYTES,
+    DEFAULT_GUIDED_COMPILE_TIMEOUT_S,
+    DEFAULT_GUIDED_COMPILE_WORKERS,
+    DEFAULT_MAX_GUIDED_SPEC_BYTES,
+    DeviceKind,
+    DType,
+    GuidedLimits,
+    KVCacheDType,
+    LoraConfig,
+)
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -271,6 +281,37 @@ class Settings(BaseSettings):
             "xgrammar only (others are refused at start); tensorrt_llm takes xgrammar or llguidance.",
         )
     )
+    max_guided_spec_bytes: int = Field(
+        DEFAULT_MAX_GUIDED_SPEC_BYTES,
+        ge=256,
+        le=64 * 1024 * 1024,
+        validation_alias=_env("NIM_MAX_GUIDED_SPEC_BYTES"),
+        description="Largest structured-output constraint (JSON schema, regex, grammar, choice list, in "
+        "UTF-8 bytes) a request may give; larger ones get 400 before anything is compiled.",
+    )
+    guided_compile_timeout_seconds: float = Field(
+        DEFAULT_GUIDED_COMPILE_TIMEOUT_S,
+        gt=0,
+        le=3600,
+        validation_alias=_env("NIM_GUIDED_COMPILE_TIMEOUT_SECONDS"),
+        description="Longest a constraint may take to compile; the compile is stopped and the request "
+        "gets 400.",
+    )
+    guided_compile_workers: int = Field(
+        DEFAULT_GUIDED_COMPILE_WORKERS,
+        ge=1,
+        le=64,
+        validation_alias=_env("NIM_GUIDED_COMPILE_WORKERS"),
+        description="Constraints compiled at once, each in a worker process (started on first use); "
+        "further compiles wait.",
+    )
+    guided_cache_bytes: int = Field(
+        DEFAULT_GUIDED_CACHE_BYTES,
+        ge=0,
+        validation_alias=_env("NIM_GUIDED_CACHE_BYTES"),
+        description="Memory for compiled constraints kept for reuse (least recently used out); "
+        "0 keeps only those of requests in flight.",
+    )
     peft_source: Path | None = Field(
         None,
         validation_alias=_env("NIM_PEFT_SOURCE"),
@@ -375,6 +416,15 @@ class Settings(BaseSettings):
             self.max_gpu_loras,
             self.max_cpu_loras,
             self.peft_refresh_interval,
+        )
+
+    @property
+    def guided_limits(self) -> GuidedLimits:
+        return GuidedLimits(
+            self.max_guided_spec_bytes,
+            self.guided_compile_timeout_seconds,
+            self.guided_compile_workers,
+            self.guided_cache_bytes,
         )
 
     @field_validator("otel_traces_exporter", mode="before")

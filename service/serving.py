@@ -80,6 +80,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,
         guided_decoding_backend=settings.guided_decoding_backend,
+        guided=settings.guided_limits,
         engine_cache_dir=settings.cache_path / "trtllm-engines" / profile.id,
     )
 

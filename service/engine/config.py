@@ -76,6 +76,22 @@ class LoraConfig:
         )
 
 
+DEFAULT_MAX_GUIDED_SPEC_BYTES = 64 * 1024
+DEFAULT_GUIDED_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_GUIDED_COMPILE_WORKERS = 2
+DEFAULT_GUIDED_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GuidedLimits:
+    """What compiling one structured-output constraint may cost (the NIM_*GUIDED* settings)."""
+
+    max_spec_bytes: int = DEFAULT_MAX_GUIDED_SPEC_BYTES  # a schema, regex, grammar or choice list
+    compile_timeout_s: float = DEFAULT_GUIDED_COMPILE_TIMEOUT_S  # one compile, in its worker
+    compile_workers: int = DEFAULT_GUIDED_COMPILE_WORKERS  # compiles at once (worker processes)
+    cache_bytes: int = DEFAULT_GUIDED_CACHE_BYTES  # compiled grammars kept for reuse
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs to load and serve one model under one profile."""
@@ -101,4 +117,5 @@ class EngineConfig:
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere
     build_engine: bool = False  # tensorrt_llm: build a TensorRT engine (cached) rather than load
     guided_decoding_backend: str | None = None  # NIM_GUIDED_DECODING_BACKEND; None: the engine's own
+    guided: GuidedLimits = GuidedLimits()  # structured output: compile limits
     engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines

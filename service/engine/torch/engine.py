@@ -330,7 +330,8 @@ class TorchEngine:
 
     async def check(self, request: GenerationRequest) -> None:
         """The API has validated the sampling fields; what is left is the adapter and the grammar,
-        which is compiled here, on a worker thread (and cached for the step that needs it)."""
+        which is checked and compiled here under the NIM_*GUIDED* limits, in a worker process that
+        is killed when this is cancelled (and cached for the step that needs it)."""
         if request.adapter is not None and self.adapters is None:
             raise RequestRefusedError(
                 f"LoRA adapter {request.adapter!r} requested, but this engine serves none"
@@ -348,7 +349,8 @@ class TorchEngine:
                 f"{field} cannot be combined with structured output: the grammar decides the end"
             )
         try:
-            await asyncio.to_thread(lambda: self._grammar_compiler().compile(guided))
+            grammars = await asyncio.to_thread(self._grammar_compiler)  # made on first use
+            await grammars.prepare(guided)
         except GrammarError as exc:
             raise RequestRefusedError(str(exc)) from None
 
