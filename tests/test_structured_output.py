@@ -4,7 +4,9 @@
 with bounds, required fields), requested concurrently so constrained and unconstrained rows share
 batches, must all parse and validate (jsonschema); choice and regex requests always conform;
 json_object answers parse; bad schemas, regexes and grammars are 400s naming the problem, and the
-server serves on. A request cut short by max_tokens reports finish_reason "length".
+server serves on. A request cut short by max_tokens reports finish_reason "length". Constraints no
+text can satisfy, and JSON schemas asking for what xgrammar would not enforce, are 400s naming the
+constraint or keyword, on chat and completions, streamed or not (never a stream that fails later).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -197,3 +200,45 @@ def test_json_object_mode_admits_objects_only(text: str, accepted: bool) -> None
 
     grammar = xgrammar.Grammar.from_json_schema(JSON_OBJECT_SCHEMA)
     assert _is_grammar_accept_string(grammar, text) is accepted
+
+
+def _schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+REFUSED = [
+    ({"guided_regex": "a[^\\s\\S]"}, "the regular expression admits no token sequence"),
+    ({"nvext": {"guided_grammar": "root ::= root"}}, "the grammar admits no token sequence"),
+    ({"guided_json": {"$ref": "#"}}, "the JSON schema admits no token sequence"),
+    (
+        {"nvext": {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}}},
+        "rules that can never end: defs_a, defs_b",
+    ),
+    (_schema({"type": "object", "properties": {"code": {"type": "string", "pattern": "[^\\s\\S]"}},
+              "required": ["code"]}), "the JSON schema admits no token sequence"),
+    (_schema({"type": "string", "not": {"const": "x"}}), "keyword 'not' at #"),
+    (_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}), "allOf with multiple options"),
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "'uniqueItems'"),
+    ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "multipleOf is not supported for type:number"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("extra", "message"), REFUSED)
+def test_what_no_text_satisfies_or_xgrammar_would_ignore_is_a_400(
+    base_url: str, extra: dict, message: str, path: str, stream: bool
+) -> None:
+    body: dict = {"model": EMBEDDED_NAME, "max_tokens": 4, "stream": stream, **extra}
+    if path == "/v1/completions":
+        body["prompt"] = "Say something:"
+    else:
+        body["messages"] = [{"role": "user", "content": "Say something."}]
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert message in error["message"], error["message"]
+        assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+        assert client.get("/v1/health/ready").status_code == 200
