@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 
 REFUSALS_KEPT = 256  # refused specs remembered (each at most NIM_MAX_GUIDED_SPEC_BYTES)
 WORKER_START_TIMEOUT_S = 120.0  # a worker not ready by then (imports, vocabulary) has failed
+WORKER_RSS_LIMIT = 1 << 30  # a worker holding more after a compile is replaced (it starts at ~0.3 GB)
 UNKNOWN_GRAMMAR_BYTES = 1 << 20  # the cache's charge for a grammar whose xgrammar reports no size
 
 
@@ -541,7 +542,7 @@ def _compile_checked(
         return ("refused", str(exc))
     except (RuntimeError, ValueError, TypeError) as exc:
         return ("refused", f"invalid {name}: {_first_line(exc)}")
-    return ("ok", time.perf_counter() - started, _memory_bytes(compiled))
+    return ("ok", time.perf_counter() - started, _memory_bytes(compiled), _resident_bytes())
 
 
 @contextlib.contextmanager
@@ -570,6 +571,15 @@ def _refuse_warnings(name: str, captured: IO[bytes]) -> None:
             )
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory (0 where /proc does not say)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _memory_bytes(compiled: Any) -> int:
     size = getattr(compiled, "memory_size_bytes", None)
     return int(size) if isinstance(size, int) else UNKNOWN_GRAMMAR_BYTES
@@ -583,7 +593,11 @@ _WORKER_CODE = (
 
 
 class _WorkerFailedError(RuntimeError):
-    """The worker died or stopped answering (not the spec's timeout: that is a GrammarError)."""
+    """The worker did not start (not the spec's fault: the request gets a 500)."""
+
+
+class _CompileCrashedError(RuntimeError):
+    """The worker died compiling (the spec's doing, or its request's cancel); the exit code."""
 
 
 class _Worker:
@@ -631,7 +645,8 @@ class _Worker:
 
     def compile(self, guided: GuidedDecoding, timeout_s: float) -> tuple[Any, ...]:
         """The worker's answer for `guided`; TimeoutError (the worker is killed) past `timeout_s`,
-        counted from when the job is sent; _WorkerFailedError when it dies."""
+        counted from when the job is sent; _CompileCrashedError when it dies compiling, and
+        _WorkerFailedError when it cannot start."""
         process = self._ensure_ready()
         assert process.stdin is not None and process.stdout is not None
         try:
@@ -641,8 +656,7 @@ class _Worker:
             self.reap()
             raise
         except (EOFError, OSError, pickle.UnpicklingError):
-            code = self.reap()
-            raise _WorkerFailedError(f"the compile worker exited (code {code})") from None
+            raise _CompileCrashedError(self.reap()) from None
 
     def _ensure_ready(self) -> subprocess.Popen[bytes]:
         process = self._process
@@ -933,6 +947,15 @@ class GrammarCompiler:
             log.warning("structured output: a %s compile passed %g s and was stopped", name, timeout_s)
             self._remember_refusal(guided, message)
             raise GrammarError(message) from None
+        except _CompileCrashedError as exc:
+            if job.cancelled:
+                return None
+            message = (
+                f"the grammar compiler failed on this {name} (its process exited with code {exc.args[0]})"
+            )
+            log.warning("structured output: %s", message)
+            self._remember_refusal(guided, message)
+            raise GrammarError(message) from None
         except _WorkerFailedError as exc:
             if job.cancelled:
                 return None
@@ -943,8 +966,10 @@ class GrammarCompiler:
         if answer[0] == "refused":
             self._remember_refusal(guided, answer[1])
             raise GrammarError(answer[1])
-        seconds, nbytes = answer[1], answer[2]
+        seconds, nbytes, resident = answer[1], answer[2], answer[3]
         log.debug("structured output: a %s compiled in %.3f s (%d bytes)", name, seconds, nbytes)
+        if resident > WORKER_RSS_LIMIT:  # what the allocator kept after a large compile: start afresh
+            worker.reap()
         if job.cancelled:
             return None
         compiled = self._compiler.compile_grammar(_grammar(self._xgr, guided))
