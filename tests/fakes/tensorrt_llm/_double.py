@@ -1,11 +1,22 @@
 """The test double's implementation (see tests/fakes/README.md); the package's modules re-export
-it under the real import paths."""
+it under the real import paths.
+
+It plays one release, `VERSION` ($TRTLLM_DOUBLE_VERSION, default tensorrt_llm/version.py's), and
+behaves as that release's sources say where the adapter could tell the difference: the LLM
+classes accept exactly the arguments of the field lists recorded in llm_args_fields.json for its
+series; the sampler applies no penalties, min_p or seed (it echoes; 1.2 ignores them, and the
+adapter refuses them there); logprobs are the top k of each position, which before 1.3.0rc26 may
+lack the sampled token (the double's "model" ranks it below k at every odd position when
+sampling); a stop-token finish trims token_ids but not logprobs; the 1.3 series has no
+`_tensorrt_engine`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -13,6 +24,39 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tensorrt_llm.version import __version__ as _INSTALLED
+
+VERSION = os.environ.get("TRTLLM_DOUBLE_VERSION", _INSTALLED)
+
+
+def _version_key(version: str) -> tuple[int, int, int, int]:
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)(?:rc(\d+))?", version)
+    assert found is not None, f"TRTLLM_DOUBLE_VERSION={version!r} is not a tensorrt_llm version"
+    major, minor, patch, rc = found.groups()
+    return (int(major), int(minor), int(patch), int(rc) if rc is not None else 10**6)
+
+
+SERIES = "1.3" if _version_key(VERSION) >= (1, 3, 0, 0) else "1.2"
+# From 1.3.0rc26 TorchSampler always returns the sampled token's logprob (logprobs=0: it alone).
+SAMPLED_LOGPROB = _version_key(VERSION) >= (1, 3, 0, 26)
+
+
+def _fields() -> tuple[set[str], set[str], set[str] | None, dict[str, list[str]]]:
+    """(BaseLlmArgs, TorchLlmArgs, TrtLlmArgs or None, removed arguments) of SERIES."""
+    releases = json.loads((Path(__file__).parent / "llm_args_fields.json").read_text())["releases"]
+    entry = releases[SERIES]
+    base = releases.get(entry.get("inherits"), entry)
+    trt = entry.get("TrtLlmArgs", base.get("TrtLlmArgs"))
+    return (
+        set(base["BaseLlmArgs"]),
+        set(base["TorchLlmArgs"]),
+        None if trt is None else set(trt),
+        entry.get("removed_arguments", {}),
+    )
+
+
+BASE_ARGS, TORCH_ARGS, TRT_ARGS, REMOVED_ARGS = _fields()
 
 # --- configuration objects -------------------------------------------------------------------
 
@@ -124,6 +168,10 @@ class RequestError(RuntimeError):
     """A request failed inside the executor."""
 
 
+class CppExecutorError(RuntimeError):
+    """The C++ executor failed as a whole (tensorrt_llm.executor.CppExecutorError)."""
+
+
 @dataclass(slots=True)
 class Logprob:
     logprob: float
@@ -156,13 +204,6 @@ class CompletionOutput:
 
 
 # --- the LLM ---------------------------------------------------------------------------------
-
-_TORCH_FIELDS = {
-    "pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len",
-    "kv_cache_config", "enable_chunked_prefill", "enable_lora", "lora_config", "guided_decoding_backend",
-    "enable_iter_perf_stats", "stream_interval", "backend", "skip_tokenizer_init", "cuda_graph_config",
-}  # fmt: skip
-_TRT_ONLY = {"build_config", "quant_config", "calib_config", "enable_build_cache", "workspace", "fast_build"}
 
 
 class _Tokenizer:
@@ -229,23 +270,32 @@ class RequestOutput:
         if self._aborted:
             out.finish_reason, self._done, self.finished = "cancelled", True, True
             return
-        if self._llm.fail_marker in self._llm.tokenizer.decode(self.prompt_token_ids):
+        prompt_text = self._llm.tokenizer.decode(self.prompt_token_ids)
+        if self._llm.fail_marker in prompt_text:
             raise RequestError(f"request {self.request_id}: simulated executor error")
+        if self._llm.crash_marker in prompt_text:
+            self._llm._executor.shut_down = True
+            raise CppExecutorError("simulated C++ executor failure")
         params = self._params
-        token = self.prompt_token_ids[len(out.token_ids) % len(self.prompt_token_ids)]
-        generated = len(out.token_ids) + 1
+        position = len(out.token_ids)
+        token = self.prompt_token_ids[position % len(self.prompt_token_ids)]
+        generated = position + 1
         end = params.end_id if params.end_id is not None else self._llm.tokenizer.eos_token_id
-        stops_here = (token == end and not params.ignore_eos) or token in (params.stop_token_ids or [])
-        if stops_here and generated > (params.min_tokens or 0):
-            out.finish_reason, out.stop_reason = "stop", token
+        if token == end and not params.ignore_eos and generated > (params.min_tokens or 0):
+            out.finish_reason, out.stop_reason = "stop", token  # END_ID: the end token is not output
             self._finish()
             return
         out.token_ids.append(token)
-        if params.logprobs:
-            alternatives = {token: Logprob(-0.25, 1)}
-            for rank in range(2, params.logprobs + 1):
-                alternatives[(token + rank) % 256] = Logprob(-1.0 * rank, rank)
-            out.logprobs.append(alternatives)
+        if params.logprobs is not None and (params.logprobs > 0 or SAMPLED_LOGPROB):
+            out.logprobs.append(self._logprobs(token, position, params))
+        if token in (params.stop_token_ids or []) and generated > (params.min_tokens or 0):
+            # STOP_WORDS: the stop token is generated, then trimmed from token_ids (not logprobs)
+            out.finish_reason, out.stop_reason = "stop", token
+            if not params.include_stop_str_in_output:
+                out.token_ids = out.token_ids[:-1]
+            out.text = self._llm.tokenizer.decode(out.token_ids, params.skip_special_tokens)
+            self._finish()
+            return
         out.text = self._llm.tokenizer.decode(out.token_ids, params.skip_special_tokens)
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         for stop in stops:
@@ -259,9 +309,36 @@ class RequestOutput:
             out.finish_reason = "length"
             self._finish()
 
+    @staticmethod
+    def _logprobs(token: int, position: int, params: SamplingParams) -> dict[int, Logprob]:
+        """The top `params.logprobs` tokens of this position. Greedy, the sampled token is the
+        most likely; sampling, the double ranks it below the top k at every odd position, where
+        releases before 1.3.0rc26 leave it out and later ones add it."""
+        k = params.logprobs or 0
+        sampling = bool(params.temperature) and (params.top_k or 0) != 1
+        if sampling and position % 2 == 1:
+            top = {(token + r) % 256: Logprob(-0.5 * r, r) for r in range(1, k + 1)}
+            if SAMPLED_LOGPROB:
+                top[token] = Logprob(-0.5 * (k + 1), k + 1)
+            return top
+        top = {token: Logprob(-0.25, 1)} if k or SAMPLED_LOGPROB else {}
+        for rank in range(2, k + 1):
+            top[(token + rank) % 256] = Logprob(-1.0 * rank, rank)
+        return top
+
     def _finish(self) -> None:
         self._done = self.finished = True
         self._llm._completed += 1
+
+
+class _Executor:
+    """What `LLM._executor` answers about itself."""
+
+    def __init__(self) -> None:
+        self.shut_down = False
+
+    def is_shutdown(self) -> bool:
+        return self.shut_down
 
 
 class LLM:
@@ -269,21 +346,14 @@ class LLM:
 
     step_seconds = 0.002
     fail_marker = "<<fail>>"  # a prompt containing it fails with RequestError (error mapping tests)
+    crash_marker = "<<crash>>"  # ... with CppExecutorError: the executor is gone
+    _tensorrt_backend = False
+    _class_name = "LLM"  # both real classes are called LLM
 
     def __init__(self, model: str, tokenizer: Any = None, trust_remote_code: bool = False,
                  tensor_parallel_size: int = 1, dtype: str = "auto", revision: str | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
-        trt_only = sorted(set(kwargs) & _TRT_ONLY)
-        if trt_only and not getattr(self, "_tensorrt_backend", False):
-            raise ValueError(
-                "The following arguments are specific to TensorRT backend and cannot be used with PyTorch "
-                f"backend: {trt_only}.\nPlease use 'from tensorrt_llm._tensorrt_engine import LLM' instead "
-                "to use the TensorRT backend."
-            )
-        allowed = _TORCH_FIELDS | (_TRT_ONLY if getattr(self, "_tensorrt_backend", False) else set())
-        for key in kwargs:
-            if key not in allowed:
-                raise ValueError(f"{type(self).__name__} got invalid argument: {key}")
+        self._check_arguments(kwargs)
         self.args = {
             "model": model, "tensor_parallel_size": tensor_parallel_size, "dtype": dtype,
             "trust_remote_code": trust_remote_code, **kwargs,
@@ -295,23 +365,52 @@ class LLM:
         kv = kwargs.get("kv_cache_config") or KvCacheConfig()
         if not isinstance(kv, KvCacheConfig):
             raise TypeError(f"kv_cache_config must be a KvCacheConfig, got {type(kv).__name__}")
+        block = kv.tokens_per_block
+        if block <= 0 or block & (block - 1):
+            raise RuntimeError(f"tokens_per_block ({block}) must be a power of 2")
         lora = kwargs.get("lora_config")
         if lora is not None and not isinstance(lora, LoraConfig):
             raise TypeError(f"lora_config must be a LoraConfig, got {type(lora).__name__}")
         self._max_num_tokens = kwargs.get("max_num_tokens") or 8192
         self._chunked = bool(kwargs.get("enable_chunked_prefill"))
-        self._stats = bool(kwargs.get("enable_iter_perf_stats"))
+        # the TensorRT backend's executor keeps iteration stats without a switch
+        self._stats = bool(kwargs.get("enable_iter_perf_stats")) or self._tensorrt_backend
         self._next_id = 0
         self._iter = 0
         self._completed = 0
         self._running: list[RequestOutput] = []
-        self._shutdown = False
+        self._executor = _Executor()
+        self.stats_polls_before_first_request = 0
         _record({"constructed": type(self).__name__, **_loggable(self.args)})
+
+    def _check_arguments(self, kwargs: dict[str, Any]) -> None:
+        """As BaseLLM.__init__: every keyword must be a field of the backend's arguments class;
+        the PyTorch LLM names TensorRT-only ones as such."""
+        own = TRT_ARGS if self._tensorrt_backend else TORCH_ARGS
+        assert own is not None, "no TensorRT backend in this release"
+        valid = BASE_ARGS | own
+        if not self._tensorrt_backend and TRT_ARGS is not None:
+            trt_only = sorted((set(kwargs) & TRT_ARGS) - valid)
+            if trt_only:
+                raise ValueError(
+                    "The following arguments are specific to TensorRT backend and cannot be used with "
+                    f"PyTorch backend: {trt_only}.\nPlease use 'from tensorrt_llm._tensorrt_engine "
+                    "import LLM' instead to use the TensorRT backend."
+                )
+        for key, value in kwargs.items():
+            if key in REMOVED_ARGS and not self._tensorrt_backend:
+                if value not in REMOVED_ARGS[key]:
+                    raise ValueError(f"'{key}' was removed and {value!r} is no longer available")
+                continue
+            if key not in valid:
+                raise ValueError(f"{self._class_name} got invalid argument: {key}")
+        if kwargs.get("sampler_type") not in (None, "auto", "TorchSampler", "TRTLLMSampler"):
+            raise ValueError(f"Invalid sampler_type: {kwargs['sampler_type']}")
 
     def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None,
                        lora_request: LoRARequest | None = None, streaming: bool = False,
                        **kwargs: Any) -> RequestOutput:  # fmt: skip
-        if self._shutdown:
+        if self._executor.is_shutdown():
             raise RuntimeError("LLM is shutting down")
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -345,6 +444,8 @@ class LLM:
                 return self
 
             async def __anext__(self) -> dict[str, Any]:
+                if llm._next_id == 0:  # the real executor warns on every poll until a request ran
+                    llm.stats_polls_before_first_request += 1
                 if not llm._stats:
                     await asyncio.sleep(timeout)
                     raise StopAsyncIteration
@@ -386,7 +487,7 @@ class LLM:
         return _Stats()
 
     def shutdown(self) -> None:
-        self._shutdown = True
+        self._executor.shut_down = True
 
     def __enter__(self) -> LLM:
         return self
@@ -401,15 +502,21 @@ class LLM:
 
 class TrtLLM(LLM):
     """`tensorrt_llm._tensorrt_engine.LLM`: builds a TensorRT engine from a checkpoint, or loads a
-    saved one (a directory whose config.json says TLLM_ENGINE)."""
+    saved one (a directory whose config.json has pretrained_config and build_config: an engine, as
+    llm_args.get_model_format tells one)."""
 
     _tensorrt_backend = True
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if kwargs.get("guided_decoding_backend") == "llguidance":
+            raise ValueError("llguidance is supported in PyTorch backend only")
+        kv = kwargs.get("kv_cache_config")
+        if isinstance(kv, KvCacheConfig) and kv.dtype != "auto":
+            raise AssertionError("KvCacheConfig.dtype is not supported by the TensorRT backend.")
         source = Path(model)
         self.engine_dir: Path | None = None
         config = json.loads((source / "config.json").read_text()) if (source / "config.json").exists() else {}
-        if config.get("format") == "TLLM_ENGINE":
+        if "pretrained_config" in config and "build_config" in config:  # a saved engine
             if not (source / "rank0.engine").is_file():
                 raise RuntimeError(f"{model}: engine file rank0.engine is missing")
             self.engine_dir = source
@@ -429,7 +536,7 @@ class TrtLLM(LLM):
         (target / "rank0.engine").write_bytes(b"double-engine")
         build = self.args.get("build_config")
         (target / "config.json").write_text(
-            json.dumps({"format": "TLLM_ENGINE", "build_config": build.model_dump() if build else None})
+            json.dumps({"pretrained_config": {}, "build_config": build.model_dump() if build else {}})
         )
 
 

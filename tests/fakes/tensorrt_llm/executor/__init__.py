@@ -1,3 +1,3 @@
-from tensorrt_llm._double import LoRARequest, RequestError
+from tensorrt_llm._double import CppExecutorError, LoRARequest, RequestError
 
-__all__ = ["LoRARequest", "RequestError"]
+__all__ = ["CppExecutorError", "LoRARequest", "RequestError"]
