@@ -34,6 +34,7 @@ import yaml
 from service.engine.precision import Mode, precision_mode
 from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
+from service.engine.trtllm import release as trtllm_release
 from service.hardware import SystemInfo
 from service.util import cdiv
 
@@ -497,6 +498,9 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo)
     parts = [chosen.summary()]
     if p.llm_engine == "tensorrt_llm":
         parts.append("TensorRT-LLM is preferred over torch")
+        version = trtllm_release.installed_version()
+        if version is not None:  # what its sampler honours, decided by the installed release
+            parts.append(trtllm_release.release(version, p.trtllm_buildable).statement())
     if p.gpu != "generic":
         parts.append(f"built for this GPU ({p.gpu.upper()})")
     parts.append(f"lowest runnable precision ({p.precision}, {chosen.mode_note})")

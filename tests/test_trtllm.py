@@ -1,12 +1,17 @@
 """The TensorRT-LLM adapter (service/engine/trtllm) against the test double in tests/fakes.
 
-In process: the LLM arguments the profile and settings become (the double refuses unknown ones as
-the real constructor does), start-up refusals, the sampling mapping field by field, streaming
-deltas and finish reasons, abort, a failed request next to a dead engine, stats, and the
-built-engine cache (build, reuse, rebuild on a version change or a corrupt slot, one build for
-concurrent starts). Over HTTP, with the double installed as tensorrt_llm and a simulated H100:
-list-model-profiles shows the tensorrt_llm profile runnable and selected, and the server serves
-completions and chat through the adapter with the official client.
+In process: the LLM arguments the profile and settings become, for each backend (the double
+accepts exactly the fields recorded from the real argument classes), start-up refusals, the
+sampling mapping field by field and what each release's sampler would ignore (refused), streaming
+deltas and finish reasons, logprobs as the real sampler returns them (top-k only, a stop token
+trimmed from the ids but not the logprobs), abort, a failed request or an unmappable output next
+to a dead executor, stats from the first request on, and the built-engine cache (build, reuse,
+rebuild on a version change or a corrupt slot, one build for concurrent starts). Over HTTP, with
+the double installed as tensorrt_llm and a simulated H100: list-model-profiles shows the
+tensorrt_llm profile runnable and selected and states what its release honours, and the server
+serves completions and chat through the adapter with the official client.
+
+The double plays tensorrt_llm 1.2.1 unless a test sets TRTLLM_DOUBLE_VERSION (`double_release`).
 
 What only the double has checked (no GPU and no tensorrt_llm here): see the README's TensorRT-LLM
 section.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -48,15 +54,31 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def _forget_double() -> None:
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
 @pytest.fixture
 def double(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """The double importable as tensorrt_llm; yields the file it records its constructions in."""
+    _forget_double()
     monkeypatch.syspath_prepend(str(FAKES))
     record = tmp_path / "double.jsonl"
     monkeypatch.setenv("TRTLLM_DOUBLE_LOG", str(record))
     yield record
-    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
+    _forget_double()
+
+
+@pytest.fixture
+def double_release(double: Path, monkeypatch: pytest.MonkeyPatch):
+    """Have the double play another tensorrt_llm release (call it before importing tensorrt_llm)."""
+
+    def play(version: str) -> None:
+        _forget_double()
+        monkeypatch.setenv("TRTLLM_DOUBLE_VERSION", version)
+
+    return play
 
 
 def _config(checkpoint: Path, tmp_path: Path, **changes: object) -> EngineConfig:
@@ -87,25 +109,32 @@ def _request(prompt: list[int], request_id: str = "r", **sampling: object) -> Ge
 def test_the_profile_and_settings_become_llm_arguments_the_api_accepts(
     double: Path, checkpoint: Path, tmp_path: Path
 ) -> None:
-    from service.engine.trtllm import llm_kwargs, load
     from service.engine.trtllm.api import import_api
+    from service.engine.trtllm.loading import llm_kwargs, load
 
     config = _config(checkpoint, tmp_path, max_model_len=256)
     kwargs = llm_kwargs(config, import_api())
     assert kwargs["trust_remote_code"] is False and kwargs["enable_iter_perf_stats"] is True
     assert kwargs["max_seq_len"] == 256 and kwargs["enable_chunked_prefill"] is True
     assert kwargs["kv_cache_config"].enable_block_reuse == config.kv_cache.enable_prefix_caching
+    # NIM_KV_BLOCK_SIZE is TensorRT-LLM's tokens_per_block, and what the engine reports
+    assert kwargs["kv_cache_config"].tokens_per_block == config.kv_cache.block_size == 16
     loaded = load(config)
-    asyncio.run(_start_stop(loaded.engine))
+    assert loaded.info.kv_block_size == 16
+    llm = asyncio.run(_start_stop(loaded.engine))
     [constructed] = [json.loads(line) for line in double.read_text().splitlines()]
     assert constructed["constructed"] == "LLM" and constructed["model"] == str(checkpoint)
     assert constructed["max_batch_size"] == config.scheduler.max_num_seqs
     assert loaded.info.engine == "tensorrt_llm" and not loaded.info.features.prompt_logprobs
+    # no request ran: its iteration stats were never polled (TensorRT-LLM warns on each poll then)
+    assert llm.stats_polls_before_first_request == 0
 
 
-async def _start_stop(engine) -> None:
+async def _start_stop(engine):
     await engine.start()
+    llm = engine.llm
     await engine.stop()
+    return llm
 
 
 def test_the_double_refuses_arguments_the_real_llm_refuses(double: Path, checkpoint: Path) -> None:
@@ -118,6 +147,67 @@ def test_the_double_refuses_arguments_the_real_llm_refuses(double: Path, checkpo
         tensorrt_llm.LLM(str(checkpoint), build_config=None)
     with pytest.raises(ValueError, match="does not exist"):
         tensorrt_llm.llmapi.LoRARequest("a", 1, str(checkpoint / "missing"))
+    # derived from the recorded field lists: a TorchLlmArgs field the adapter never passes is taken
+    assert tensorrt_llm.LLM(str(checkpoint), print_iter_log=True).args["print_iter_log"] is True
+
+
+def test_the_built_engine_llm_refuses_pytorch_only_arguments(double: Path, checkpoint: Path) -> None:
+    """As the real _tensorrt_engine.LLM: its TrtLlmArgs has no PyTorch-backend fields."""
+    from tensorrt_llm._tensorrt_engine import LLM
+
+    for pytorch_only in ("enable_iter_perf_stats", "cuda_graph_config", "sampler_type"):
+        with pytest.raises(ValueError, match=f"LLM got invalid argument: {pytorch_only}"):
+            LLM(str(checkpoint), **{pytorch_only: None})
+
+
+def test_the_built_engine_path_passes_only_what_that_backend_accepts(
+    double: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    from service.engine.trtllm.api import import_api
+    from service.engine.trtllm.engine_cache import load_or_build
+    from service.engine.trtllm.loading import engine_kwargs, load
+
+    api = import_api()
+    config = _config(
+        checkpoint, tmp_path, build_engine=True, engine_cache_dir=tmp_path / "slot", enforce_eager=True
+    )
+    kwargs = engine_kwargs(config, api)
+    assert set(kwargs) <= {"tensor_parallel_size", "pipeline_parallel_size", "dtype", "trust_remote_code",
+                           "kv_cache_config", "guided_decoding_backend"}  # fmt: skip
+    assert kwargs["kv_cache_config"].dtype == "auto"  # the TensorRT backend takes no other
+    assert kwargs["kv_cache_config"].tokens_per_block == config.kv_cache.block_size
+    built = load_or_build(api, config, kwargs)  # the double refuses PyTorch-only arguments here
+    assert (
+        built.built and "enable_iter_perf_stats" not in built.args and "cuda_graph_config" not in built.args
+    )
+    assert built.args["build_config"].max_batch_size == config.scheduler.max_num_seqs
+    assert not load_or_build(api, config, kwargs).built  # the saved engine loads with the same arguments
+    loaded = load(config)
+    assert not loaded.info.features.logprobs  # a built engine gathers no generation logits: 400
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"lora": True}, "LoRA in a built engine"),
+        ({"guided_decoding_backend": "llguidance"}, "xgrammar only"),
+        ({"kv_cache": "fp8"}, "fp8 KV cache in a built engine"),
+    ],
+)
+def test_a_built_engine_refuses_what_it_was_not_built_for(
+    double: Path, checkpoint: Path, tmp_path: Path, changes: dict, message: str
+) -> None:
+    from service.engine.config import LoraConfig
+    from service.engine.trtllm.loading import load
+
+    config = _config(checkpoint, tmp_path, build_engine=True, engine_cache_dir=tmp_path / "slot")
+    if "lora" in changes:
+        changes = {"lora": LoraConfig.with_defaults(tmp_path)}
+    if "kv_cache" in changes:
+        changes = {"kv_cache": replace(config.kv_cache, dtype=changes["kv_cache"])}
+    with pytest.raises(UnsupportedConfigError, match=message) as refused:
+        load(replace(config, **changes))
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +217,7 @@ def test_the_double_refuses_arguments_the_real_llm_refuses(double: Path, checkpo
         ({"num_threads": 2}, "NIM_NUM_THREADS applies to the torch engine"),
         ({"device": "cpu"}, "runs on NVIDIA GPUs only"),
         ({"model_format": "gguf"}, "not GGUF files"),
+        ({"kv_block_size": 48}, "NIM_KV_BLOCK_SIZE=48: .* power of two"),
     ],
 )
 def test_settings_tensorrt_llm_cannot_honour_are_refused_at_start(
@@ -137,6 +228,8 @@ def test_settings_tensorrt_llm_cannot_honour_are_refused_at_start(
     config = _config(checkpoint, tmp_path)
     if "kv_cache" in changes:
         changes = {"kv_cache": replace(config.kv_cache, dtype=changes["kv_cache"])}
+    if "kv_block_size" in changes:
+        changes = {"kv_cache": replace(config.kv_cache, block_size=changes["kv_block_size"])}
     with pytest.raises(UnsupportedConfigError, match=message) as refused:
         load(replace(config, **changes))
     assert "\n" not in str(refused.value)
@@ -144,9 +237,14 @@ def test_settings_tensorrt_llm_cannot_honour_are_refused_at_start(
 
 def test_sampling_fields_map_one_by_one(double: Path) -> None:
     from service.engine.trtllm.api import import_api
-    from service.engine.trtllm.sampling import to_trtllm
+    from service.engine.trtllm.release import release
+    from service.engine.trtllm.sampling import to_trtllm as mapped
 
     api = import_api()
+
+    def to_trtllm(api, params, vocab_size):  # as the 1.2 release takes them
+        return mapped(api, params, vocab_size, release(api.version))
+
     greedy = to_trtllm(api, SamplingParams(max_tokens=5, temperature=0.0, top_p=0.5), 256)
     assert (greedy.temperature, greedy.top_p, greedy.top_k) == (0.0, None, None)
     assert (greedy.max_tokens, greedy.n) == (5, 1)
@@ -186,10 +284,10 @@ def test_sampling_fields_map_one_by_one(double: Path) -> None:
 # --- serving in process ------------------------------------------------------------------------------
 
 
-def _engine(checkpoint: Path, tmp_path: Path):
+def _engine(checkpoint: Path, tmp_path: Path, **changes: object):
     from service.engine.trtllm import load
 
-    return load(_config(checkpoint, tmp_path)).engine
+    return load(_config(checkpoint, tmp_path, **changes)).engine
 
 
 def test_streaming_deltas_finish_reasons_and_logprobs(double: Path, checkpoint: Path, tmp_path: Path) -> None:
@@ -277,15 +375,192 @@ def test_parameters_tensorrt_llm_refuses_are_a_request_error(
         asyncio.run(engine.check(replace(_request([65]), adapter="x")))
 
 
+# --- what each release's sampler honours ------------------------------------------------------------
+
+
+def test_the_release_decides_what_is_refused() -> None:
+    from service.engine.trtllm.release import release
+
+    old = release("1.2.1")
+    assert old.ignored == ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "seed")
+    assert not old.sampled_logprob
+    assert release("1.3.0rc23").ignored == old.ignored  # pre-releases before the TorchSampler fixes
+    assert release("1.3.0rc24").ignored == ("min_p", "seed")
+    newer = release("1.3.0rc26")
+    assert newer.ignored == ("seed",) and newer.sampled_logprob
+    assert release("1.3.0").ignored == ("seed",) and release("1.4.0rc1").sampled_logprob
+    assert release("unknown").ignored == old.ignored  # unreadable: the oldest behaviour
+    assert release("1.2.1", built_engine=True).ignored == ()  # the C++ executor samples
+    line = old.statement()
+    assert line.startswith("tensorrt_llm 1.2.1: its sampler ignores repetition_penalty") and "\n" not in line
+
+
+def test_the_installed_version_is_read_without_importing_tensorrt_llm(double: Path) -> None:
+    from service.engine.trtllm.release import installed_version
+
+    assert installed_version() == "1.2.1"  # the double's version.py
+    assert "tensorrt_llm" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    ("version", "field", "value", "refused"),
+    [
+        ("1.2.1", "presence_penalty", 0.5, True),
+        ("1.2.1", "repetition_penalty", 1.2, True),
+        ("1.2.1", "frequency_penalty", -0.5, True),
+        ("1.2.1", "min_p", 0.1, True),
+        ("1.2.1", "seed", 7, True),
+        ("1.3.0rc26", "presence_penalty", 0.5, False),
+        ("1.3.0rc26", "repetition_penalty", 1.2, False),
+        ("1.3.0rc26", "min_p", 0.1, False),
+        ("1.3.0rc26", "seed", 7, True),
+    ],
+)
+def test_penalties_min_p_and_seed_are_refused_where_the_release_ignores_them(
+    double_release, checkpoint: Path, tmp_path: Path, version: str, field: str, value: object, refused: bool
+) -> None:
+    double_release(version)
+    engine = _engine(checkpoint, tmp_path)
+    request = _request([65, 66], temperature=0.7, **{field: value})
+    if refused:
+        with pytest.raises(
+            RequestRefusedError, match=re.escape(f"{field} is not applied by tensorrt_llm {version}")
+        ):
+            asyncio.run(engine.check(request))
+        return
+    asyncio.run(engine.check(request))
+    assert getattr(engine._sampling(request), field) == value  # passed to TensorRT-LLM as asked
+
+
+def test_greedy_requests_need_neither_min_p_nor_a_seed(
+    double: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    engine = _engine(checkpoint, tmp_path)
+    asyncio.run(engine.check(_request([65], temperature=0.0, seed=7, min_p=0.2)))
+
+
+def test_sampled_logprobs_follow_the_release(double_release, checkpoint: Path, tmp_path: Path) -> None:
+    """1.2's sampler returns the top k only, without the sampled token at some positions: the
+    request is refused with a 400 before it starts. From 1.3.0rc26 the sampled token is always
+    there, and the sampled token alone is logprobs=0."""
+    double_release("1.2.1")
+    engine = _engine(checkpoint, tmp_path)
+    with pytest.raises(
+        RequestRefusedError, match=re.escape("logprobs with temperature > 0: tensorrt_llm 1.2.1")
+    ):
+        asyncio.run(engine.check(_request([65], temperature=0.8, logprobs=2)))
+
+    double_release("1.3.0rc26")
+    engine = _engine(checkpoint, tmp_path)
+    assert engine._sampling(_request([65], temperature=0.8, logprobs=0)).logprobs == 0
+
+    async def scenario() -> None:
+        await engine.start()
+        prompt = [72, 105, 33, 64]
+        outs = [o async for o in engine.generate(_request(prompt, temperature=0.8, logprobs=2, max_tokens=6))]
+        await engine.stop()
+        assert outs[-1].finish_reason == "length" and all(o.error is None for o in outs)
+        entries = [e for o in outs for e in o.logprobs or []]
+        assert [e.token_id for e in entries] == (prompt * 2)[:6]
+        assert [e.rank for e in entries] == [1, 3, 1, 3, 1, 3]  # odd positions: below the top 2
+        assert all(len(e.top) == 2 for e in entries) and entries[1].top[0][0] != entries[1].token_id
+
+    asyncio.run(scenario())
+
+
+def test_a_position_without_the_sampled_token_fails_that_request_alone(
+    double: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    """The mapping is total: were a release to return the top k without the sampled token (as 1.2
+    does when sampling), the request ends with an error frame and the engine serves on."""
+    engine = _engine(checkpoint, tmp_path)
+    engine.sampler = replace(engine.sampler, sampled_logprob=True)  # as if 1.2 included it
+
+    async def scenario() -> None:
+        await engine.start()
+        outs = [o async for o in engine.generate(_request([72, 105], temperature=0.8, logprobs=1))]
+        assert outs[-1].finished and "no logprob for the sampled token 105 at position 1" in (
+            outs[-1].error or ""
+        )
+        assert engine.ready and engine.failure is None
+        ok = [o async for o in engine.generate(_request([72, 105], "next", logprobs=1))]
+        assert ok[-1].finish_reason == "length"
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_logprobs_with_a_stop_token_finish(double: Path, checkpoint: Path, tmp_path: Path) -> None:
+    """TensorRT-LLM trims the stop token from token_ids but not from logprobs: the delta pairs
+    tokens with their logprobs by position, and the request ends normally."""
+    engine = _engine(checkpoint, tmp_path)
+
+    async def scenario() -> None:
+        await engine.start()
+        prompt = [72, 105, 33]
+        outs = [o async for o in engine.generate(_request(prompt, logprobs=1, stop_token_ids=(33,)))]
+        assert outs[-1].finish_reason == "stop" and outs[-1].error is None
+        assert [t for o in outs for t in o.token_ids] == [72, 105]
+        assert [e.token_id for o in outs for e in o.logprobs or []] == [72, 105]
+        handle_logprobs = len(engine.llm._running[-1].outputs[0].logprobs)
+        assert handle_logprobs == 3  # the double, as the real one, kept the stop token's logprob
+        assert engine.ready
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_only_an_executor_failure_kills_the_engine(
+    double: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.engine.protocol import EngineDeadError
+    from service.engine.trtllm import engine as engine_module
+
+    async def scenario() -> None:
+        died: list[BaseException] = []
+        engine = _engine(checkpoint, tmp_path)
+        engine.on_fatal = died.append
+        await engine.start()
+        # an exception while mapping one request's output: that request fails, alone
+        real = engine_module.token_logprob
+        monkeypatch.setattr(engine_module, "token_logprob", lambda *a: 1 / 0)
+        outs = [o async for o in engine.generate(_request([65, 66], logprobs=1))]
+        assert outs[-1].finished and "division by zero" in (outs[-1].error or "")
+        assert engine.ready and not died
+        monkeypatch.setattr(engine_module, "token_logprob", real)
+        # the C++ executor failing: every request ends, the engine is dead and says why
+        crash = _encode(checkpoint, "<<crash>>")
+        outs = [o async for o in engine.generate(_request(crash))]
+        assert "engine failure" in (outs[-1].error or "") and died and not engine.ready
+        with pytest.raises(EngineDeadError, match="CppExecutorError"):
+            [o async for o in engine.generate(_request([65]))]
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stats_are_polled_from_the_first_request_on(double: Path, checkpoint: Path, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = _engine(checkpoint, tmp_path)
+        await engine.start()
+        await asyncio.sleep(0.1)
+        assert engine._stats_task is None
+        [o async for o in engine.generate(_request([65, 66]))]
+        assert engine._stats_task is not None and engine.llm.stats_polls_before_first_request == 0
+        await engine.stop()
+
+    asyncio.run(scenario())
+
+
 # --- built engines --------------------------------------------------------------------------------
 
 
 def test_a_built_engine_is_cached_reused_and_rebuilt_when_stale(
     double: Path, checkpoint: Path, tmp_path: Path
 ) -> None:
-    from service.engine.trtllm import llm_kwargs
     from service.engine.trtllm.api import import_api
     from service.engine.trtllm.engine_cache import MANIFEST, load_or_build
+    from service.engine.trtllm.loading import engine_kwargs as llm_kwargs
 
     api = import_api()
     config = _config(checkpoint, tmp_path, build_engine=True, engine_cache_dir=tmp_path / "slot")
@@ -318,15 +593,15 @@ def test_a_built_engine_is_cached_reused_and_rebuilt_when_stale(
 
 
 def test_a_build_where_tensorrt_llm_cannot_build_is_refused(
-    double: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    double_release, checkpoint: Path, tmp_path: Path
 ) -> None:
-    import tensorrt_llm._tensorrt_engine as engine_module  # the double's
-
     from service.engine.trtllm import load
 
-    monkeypatch.delattr(engine_module, "LLM")  # as on tensorrt_llm 1.3 and later
+    double_release("1.3.0rc26")  # no tensorrt_llm._tensorrt_engine
     config = _config(checkpoint, tmp_path, build_engine=True, engine_cache_dir=tmp_path / "slot")
-    with pytest.raises(UnsupportedConfigError, match="cannot build engines"):
+    with pytest.raises(
+        UnsupportedConfigError, match=re.escape("tensorrt_llm 1.3.0rc26 cannot build engines")
+    ):
         load(config)
 
 
@@ -338,11 +613,15 @@ def _with_double(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_list_model_profiles_shows_tensorrt_llm_profiles_runnable(checkpoint: Path) -> None:
-    done = run_cli("list-model-profiles", env=_with_double({"NIM_MODEL_NAME": str(checkpoint)}))
+    done = run_cli("list-model-profiles", "--explain", env=_with_double({"NIM_MODEL_NAME": str(checkpoint)}))
     assert done.returncode == 0, done.stderr
     runnable = done.stdout.split("Compatible with system and runnable:")[1].split("Compatible with")[0]
     selected = next(line for line in runnable.splitlines() if "(selected)" in line)
     assert "tensorrt_llm-generic-bf16-tp1-pp1-throughput" in selected
+    # the selection states what the installed release's sampler honours, decided by its version
+    why = done.stdout.split("SELECTION")[1].splitlines()[1]
+    assert "tensorrt_llm 1.2.1: its sampler ignores repetition_penalty, presence_penalty" in why
+    assert "logprobs at temperature 0 only" in why
     # Without tensorrt_llm the same system moves on to torch, and says so in one line.
     env = {"NIM_MODEL_NAME": str(checkpoint), "NIM_SYSTEM_INFO": str(SYSTEMS / "h100x1.json")}
     done = run_cli("list-model-profiles", "--explain", env=env)
@@ -379,6 +658,25 @@ def test_the_server_serves_through_tensorrt_llm(checkpoint: Path, tmp_path: Path
         assert text == "user: " and chunks[-1].choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
             client.completions.create(model=NAME, prompt="x", max_tokens=2, echo=True, logprobs=1)
+        # what tensorrt_llm 1.2's sampler would ignore is a 400 naming the field and the release
+        with pytest.raises(
+            openai.BadRequestError, match=r"presence_penalty is not applied by tensorrt_llm 1\.2\.1"
+        ):
+            client.completions.create(model=NAME, prompt="x", max_tokens=2, presence_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="logprobs with temperature > 0"):
+            client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0.8, logprobs=1)
+        assert "tensorrt_llm 1.2.1: its sampler ignores" in meta["selectedProfile"]["selection"][0]
+        # logprobs with a stop-token finish: one per token, the request ends normally
+        stopped = client.completions.create(
+            model=NAME,
+            prompt="Hello",
+            max_tokens=6,
+            temperature=0,
+            logprobs=1,
+            extra_body={"stop_token_ids": _encode(checkpoint, "l")},
+        )
+        assert stopped.choices[0].text == "He" and stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].logprobs is not None and stopped.choices[0].logprobs.tokens == ["H", "e"]
         metrics = httpx.get(f"{server.base_url}/v1/metrics", timeout=10).text
         assert 'vllm:num_requests_running{model_name="tiny-trt"}' in metrics
     finally:
@@ -404,5 +702,49 @@ def test_the_real_tensorrt_llm_serves_a_small_checkpoint(checkpoint: Path, tmp_p
             model=NAME, prompt="Hello", max_tokens=8, temperature=0, stream=True
         )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+        _real_logprobs_and_penalties(client, checkpoint)
     finally:
         assert server.stop() == 0, server.log()
+
+
+def _real_logprobs_and_penalties(client: openai.OpenAI, checkpoint: Path) -> None:
+    """What the installed release honours works, and what it would ignore is a 400 naming it."""
+    from service.engine.trtllm.release import installed_version, release
+
+    version = installed_version()
+    assert version is not None
+    honours = release(version)
+    # logprobs while sampling: one per token where the release returns the sampled token's
+    if honours.sampled_logprob:
+        sampled = client.completions.create(
+            model=NAME, prompt="Hello", max_tokens=8, temperature=0.8, logprobs=2
+        )
+        lp = sampled.choices[0].logprobs
+        assert lp is not None and sampled.usage is not None
+        assert len(lp.token_logprobs or []) == sampled.usage.completion_tokens
+    else:
+        with pytest.raises(openai.BadRequestError, match=re.escape(f"tensorrt_llm {version}")):
+            client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0.8, logprobs=2)
+    # a stop-token finish with logprobs: TensorRT-LLM trims the stop token from the ids only
+    greedy = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0, logprobs=1)
+    assert greedy.choices[0].logprobs is not None
+    ids = _encode(checkpoint, greedy.choices[0].text)
+    if len(ids) >= 3:
+        stop_id = ids[2]
+        stopped = client.completions.create(
+            model=NAME, prompt="Hello", max_tokens=8, temperature=0, logprobs=1,
+            extra_body={"stop_token_ids": [stop_id]},
+        )  # fmt: skip
+        choice = stopped.choices[0]
+        assert choice.finish_reason == "stop" and choice.logprobs is not None
+        assert len(choice.logprobs.tokens or []) == len(choice.logprobs.token_logprobs or [])
+        assert stopped.usage is not None and stopped.usage.completion_tokens <= 3
+    # a penalty: applied where the release's sampler applies it, else refused naming it
+    if "presence_penalty" in honours.ignored:
+        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+            client.completions.create(model=NAME, prompt="Hello", max_tokens=4, presence_penalty=1.0)
+    else:
+        penalised = client.completions.create(
+            model=NAME, prompt="Hello", max_tokens=4, temperature=0, presence_penalty=1.0
+        )
+        assert penalised.choices[0].finish_reason in ("stop", "length")

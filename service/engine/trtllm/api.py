@@ -4,7 +4,8 @@ Capabilities are found by what imports, never by version strings: the PyTorch ba
 (`tensorrt_llm.LLM`, the supported path from 1.2 on) is required; building TensorRT engines needs
 `tensorrt_llm._tensorrt_engine` (the 1.2 series; removed in 1.3). `LoraConfig` moved between
 releases (`tensorrt_llm._torch.peft.lora.config` in newer trees, `tensorrt_llm.lora_manager`
-before), so it is looked up in both places.
+before), so it is looked up in both places. `CppExecutorError` (tensorrt_llm.executor) is what
+its C++ executor raises when it fails as a whole; trtllm-serve treats it, alone, as fatal.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class TrtllmApi:
     SamplingParams: Any
     KvCacheConfig: Any
     LoRARequest: Any
-    RequestError: type[BaseException]
+    RequestError: type[BaseException]  # one request failed inside the executor
+    CppExecutorError: type[BaseException]  # the executor itself failed: the engine is dead
     LoraConfig: Any | None  # None: this install serves no LoRA
     EngineLLM: Any | None  # tensorrt_llm._tensorrt_engine.LLM: engines can be built and saved
     BuildConfig: Any | None
@@ -34,6 +36,10 @@ class TrtllmApi:
     @property
     def can_build_engines(self) -> bool:
         return self.EngineLLM is not None and self.BuildConfig is not None
+
+
+class _NeverRaised(Exception):
+    """Stands in for an exception class this install does not define."""
 
 
 def _optional(module: str, name: str) -> Any | None:
@@ -54,6 +60,7 @@ def import_api() -> TrtllmApi:
             KvCacheConfig=llmapi.KvCacheConfig,
             LoRARequest=llmapi.LoRARequest,
             RequestError=llmapi.RequestError,
+            CppExecutorError=_optional("tensorrt_llm.executor", "CppExecutorError") or _NeverRaised,
             LoraConfig=_optional("tensorrt_llm._torch.peft.lora.config", "LoraConfig")
             or _optional("tensorrt_llm.lora_manager", "LoraConfig"),
             EngineLLM=_optional("tensorrt_llm._tensorrt_engine", "LLM"),

@@ -1,14 +1,28 @@
 """The TensorRT-LLM engine behind our Engine interface: one `tensorrt_llm.LLM` per process.
 
 Requests go to `LLM.generate_async` as token ids (the API has applied the chat template with the
-model's own tokenizer) with streaming on; each iteration's `text_diff` / `token_ids_diff` becomes
-one RequestOutput delta, and TensorRT-LLM's finish reasons map to ours (stop, length; cancelled
--> abort; timeout -> an error naming it). A client that leaves closes the generator, which aborts
-the request in TensorRT-LLM. A request TensorRT-LLM fails (`RequestError`) ends with an error and
-the engine serves on; any other exception from the executor means the engine is dead: every
-request in flight ends with an error, readiness turns false, `on_fatal` lets the process exit.
+model's own tokenizer) with streaming on. Each iteration's output becomes one RequestOutput delta
+(`_delta`), read from TensorRT-LLM's cumulative `token_ids` / `text` / `logprobs` by how much this
+request has been handed so far, not from its `*_diff` views: on a stop-word finish TensorRT-LLM
+trims the stop tokens from `token_ids` but not from `logprobs`, so positions, not list lengths,
+pair a token with its logprob. Finish reasons map to ours (stop, length; cancelled -> abort;
+timeout -> an error naming it). A client that leaves closes the generator, which aborts the
+request in TensorRT-LLM.
+
+Failure domains, as trtllm-serve draws them: only an executor-level failure (TensorRT-LLM's
+`CppExecutorError`, or its executor shut down) kills the engine: every request in flight ends
+with an error, readiness turns false, `on_fatal` lets the process exit. Anything else (a
+`RequestError`, an output this adapter cannot map, any other exception while one request is
+served) ends that request with an error frame and the engine serves on.
+
 Iteration stats (`get_stats_async`, with enable_iter_perf_stats) feed the same EngineStats the
-torch engine publishes, so /metrics carries the same names.
+torch engine publishes, so /metrics carries the same names; they are polled from the first
+request on (TensorRT-LLM warns on every poll until a request has run).
+
+The LLM is built off the event loop on a worker thread (loading takes minutes and health probes
+must answer meanwhile); trtllm-serve builds it on its main thread before serving. That a worker
+thread is safe for tensor-parallel (MPI) starts is not verified here (no GPU); the real-library
+test (tests/test_trtllm.py, marked gpu and trtllm) starts it this way.
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from service.engine.lora_store import LoraStore
@@ -26,13 +40,16 @@ from service.engine.protocol import (
     EngineDeadError,
     EngineInfo,
     EngineStats,
+    ErrorCause,
     FinishReason,
     GenerationRequest,
     RequestOutput,
     RequestRefusedError,
+    TokenLogprob,
 )
 from service.engine.trtllm.api import TrtllmApi
-from service.engine.trtllm.sampling import to_trtllm, token_logprob
+from service.engine.trtllm.release import Release
+from service.engine.trtllm.sampling import refusal, to_trtllm, token_logprob
 from service.util import one_line
 
 log = logging.getLogger(__name__)
@@ -41,18 +58,32 @@ STATS_TIMEOUT_S = 2.0
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
+class UnmappableOutputError(ValueError):
+    """TensorRT-LLM returned an output for one request that this adapter cannot express."""
+
+
+@dataclass
+class _Handed:
+    """How much of one request's cumulative output has been handed out as deltas."""
+
+    tokens: int = 0
+    text: int = 0
+
+
 class TrtllmEngine:
     def __init__(
         self,
         api: TrtllmApi,
         make_llm: Callable[[], Any],
         info: EngineInfo,
+        sampler: Release,
         adapters: LoraStore | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.api = api
         self._make_llm = make_llm  # blocking: loads (or builds) the model
         self._info = info
+        self.sampler = sampler  # what the installed release's sampler applies
         self.adapters = adapters
         self.on_fatal = on_fatal
         self.llm: Any = None
@@ -79,7 +110,6 @@ class TrtllmEngine:
 
     async def start(self) -> None:
         self.llm = await asyncio.to_thread(self._make_llm)
-        self._stats_task = asyncio.create_task(self._collect_stats(), name="trtllm-stats")
         if self.adapters is not None:
             self.adapters.start_refreshing()
         self._ready = True
@@ -112,28 +142,36 @@ class TrtllmEngine:
                 lora_request=None if request.adapter is None else self._lora_request(request.adapter),
                 streaming=True,
             )
-        except (ValueError, TypeError, RequestRefusedError) as exc:  # refused before it started
-            yield self._ended(request, f"tensorrt_llm refused the request: {one_line(exc)}")
+        except (ValueError, TypeError, RequestRefusedError, self.api.RequestError) as exc:
+            yield self._ended(request, f"tensorrt_llm refused the request: {one_line(exc)}", "request")
             return
-        except RuntimeError as exc:  # "LLM is shutting down", or an executor that is gone
-            self._die(exc)
-            raise EngineDeadError(self._failure or one_line(exc)) from exc
+        except Exception as exc:
+            if self._executor_failed(exc):  # "LLM is shutting down", or its C++ executor failed
+                self._die(exc)
+                raise EngineDeadError(self._failure or one_line(exc)) from exc
+            yield self._ended(request, f"tensorrt_llm could not take the request: {one_line(exc)}")
+            return
         self._handles[request.request_id] = handle
-        finished = False
+        self._poll_stats()
+        finished, handed = False, _Handed()
         try:
             async for out in handle:
-                delta = self._delta(request, out)
+                delta = self._delta(request, out, handed)
                 finished = delta.finished
                 yield delta
                 if finished:
                     return
-        except self.api.RequestError as exc:
-            finished = True
-            yield self._ended(request, f"tensorrt_llm failed the request: {one_line(exc)}")
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             finished = True
-            self._die(exc)
-            yield self._ended(request, f"engine failure: {self._failure}")
+            if self._executor_failed(exc):
+                self._die(exc)
+                yield self._ended(request, f"engine failure: {self._failure}")
+            else:
+                why = one_line(exc, with_type=True)
+                log.warning("tensorrt_llm request %s failed: %s", request.request_id, why)
+                yield self._ended(request, f"tensorrt_llm failed the request: {one_line(exc)}")
         finally:
             self._handles.pop(request.request_id, None)
             if not finished:
@@ -159,8 +197,11 @@ class TrtllmEngine:
     # --- mapping ----------------------------------------------------------------------------------
 
     def _sampling(self, request: GenerationRequest) -> Any:
+        why = refusal(request.sampling, self.sampler)
+        if why is not None:
+            raise RequestRefusedError(why)
         try:
-            return to_trtllm(self.api, request.sampling, self._info.vocab_size)
+            return to_trtllm(self.api, request.sampling, self._info.vocab_size, self.sampler)
         except (ValueError, TypeError) as exc:
             raise RequestRefusedError(
                 f"tensorrt_llm refuses these sampling parameters: {one_line(exc)}"
@@ -178,14 +219,18 @@ class TrtllmEngine:
         except ValueError as exc:  # the directory went away since it was listed
             raise RequestRefusedError(f"LoRA adapter {name!r}: {one_line(exc)}") from exc
 
-    def _delta(self, request: GenerationRequest, out: Any) -> RequestOutput:
+    def _delta(self, request: GenerationRequest, out: Any, handed: _Handed) -> RequestOutput:
+        """The part of TensorRT-LLM's cumulative output `out` not yet handed out. Total: an
+        output it cannot express raises UnmappableOutputError (that request fails, alone)."""
         completion = out.outputs[0]
-        token_ids = list(completion.token_ids_diff)
+        token_ids = [int(t) for t in (completion.token_ids or [])]
+        text = completion.text or ""
+        new_ids = token_ids[handed.tokens :]  # empty when a stop-word trim shortened the list
         logprobs = None
         if request.sampling.logprobs is not None:
-            entries = list(completion.logprobs_diff)
-            top_n = request.sampling.logprobs
-            logprobs = [token_logprob(t, e, top_n) for t, e in zip(token_ids, entries, strict=True)]
+            logprobs = self._logprobs(completion.logprobs, new_ids, handed.tokens, request.sampling.logprobs)
+        new_text = text[handed.text :]
+        handed.tokens, handed.text = max(handed.tokens, len(token_ids)), max(handed.text, len(text))
         reason, error = None, None
         if out.finished:
             raw = completion.finish_reason
@@ -194,10 +239,10 @@ class TrtllmEngine:
                 error = f"tensorrt_llm ended the request with finish reason {raw!r}"
         return RequestOutput(
             request_id=request.request_id,
-            text=completion.text_diff,
-            token_ids=token_ids,
+            text=new_text,
+            token_ids=new_ids,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=len(completion.token_ids),
+            num_generated_tokens=len(token_ids),
             finished=bool(out.finished),
             finish_reason=reason,
             error=error,
@@ -205,12 +250,44 @@ class TrtllmEngine:
             time=time.monotonic(),
         )
 
-    def _ended(self, request: GenerationRequest, error: str) -> RequestOutput:
-        """A final output: the request failed with `error`."""
+    def _logprobs(self, entries: Any, token_ids: list[int], start: int, top_n: int) -> list[TokenLogprob]:
+        """Our logprobs for `token_ids`, which sit at positions start, start + 1, ... of the
+        request's output; TensorRT-LLM's `logprobs` list is cumulative and may run longer (the
+        stop tokens it trimmed from token_ids) or, in principle, shorter."""
+        entries = list(entries or [])
+        mapped = []
+        for position, token_id in enumerate(token_ids, start):
+            entry = entries[position] if position < len(entries) else None
+            logprob = token_logprob(token_id, entry, top_n)
+            if logprob is None:
+                raise UnmappableOutputError(
+                    f"tensorrt_llm {self.sampler.version} returned no logprob for the sampled token "
+                    f"{token_id} at position {position}"
+                )
+            mapped.append(logprob)
+        return mapped
+
+    def _ended(self, request: GenerationRequest, error: str, cause: ErrorCause = "engine") -> RequestOutput:
+        """A final output: the request failed with `error` (`cause`: whose fault it was)."""
         num_prompt, now = len(request.prompt_token_ids), time.monotonic()
-        return RequestOutput(request.request_id, "", [], num_prompt, 0, True, error=error, time=now)
+        return RequestOutput(
+            request.request_id, "", [], num_prompt, 0, True, error=error, error_cause=cause, time=now
+        )
 
     # --- health and stats ---------------------------------------------------------------------------
+
+    def _executor_failed(self, exc: BaseException) -> bool:
+        """Whether `exc` means TensorRT-LLM's executor as a whole is gone (its C++ executor
+        failed, or it was shut down), rather than one request failing."""
+        if isinstance(exc, self.api.CppExecutorError):
+            return True
+        executor = getattr(self.llm, "_executor", None)
+        if executor is None:
+            return isinstance(exc, RuntimeError) and "shutting down" in str(exc)
+        is_shutdown = getattr(executor, "is_shutdown", None)
+        if callable(is_shutdown):
+            return bool(is_shutdown())
+        return bool(getattr(executor, "doing_shutdown", False))
 
     def _die(self, exc: BaseException) -> None:
         if self._failure is not None:
@@ -222,6 +299,11 @@ class TrtllmEngine:
                 handle.abort()
         if self.on_fatal is not None:
             self.on_fatal(exc)
+
+    def _poll_stats(self) -> None:
+        """Start polling iteration stats, once: at the first request."""
+        if self._stats_task is None and self._failure is None:
+            self._stats_task = asyncio.create_task(self._collect_stats(), name="trtllm-stats")
 
     async def _collect_stats(self) -> None:
         """Fold TensorRT-LLM's iteration stats into EngineStats, forever (cancelled at stop)."""

@@ -33,25 +33,25 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 ENGINE = "engine"
-# Fixed by the build (BuildConfig), or arguments only the PyTorch backend takes.
-_BUILD_ONLY_OR_PYTORCH = frozenset(
-    {"max_seq_len", "max_batch_size", "max_num_tokens", "enable_chunked_prefill", "cuda_graph_config",
-     "enable_iter_perf_stats"}
-)  # fmt: skip
 
 
 def load_or_build(api: TrtllmApi, config: EngineConfig, kwargs: dict[str, Any]) -> Any:
-    """The LLM for `config`: the PyTorch backend over the checkpoint, or a cached / new engine."""
+    """The LLM for `config`: the PyTorch backend over the checkpoint, or a cached / new engine.
+
+    `kwargs` are the backend's own run-time arguments (`loading.llm_kwargs` or, for a built
+    engine, `loading.engine_kwargs`); they are passed as they are."""
     if not config.build_engine:
         return api.LLM(str(config.model_path), **kwargs)
     assert config.engine_cache_dir is not None and api.EngineLLM is not None
     slot = config.engine_cache_dir
     build = build_settings(config)
-    wanted = {"tensorrt_llm": api.version, "checkpoint": str(config.model_path), "build": build}
-    runtime = {
-        k: v for k, v in kwargs.items() if k not in ("max_seq_len", "max_batch_size", "max_num_tokens")
+    wanted = {
+        "tensorrt_llm": api.version,
+        "checkpoint": str(config.model_path),
+        "build": build,
+        "tokens_per_block": config.kv_cache.block_size,  # the paged KV layout is built in
     }
-    runtime.pop("enable_chunked_prefill", None)
+    runtime = kwargs
     with _locked(slot):
         found = _read_manifest(slot)
         if found == wanted and (slot / ENGINE).is_dir():
