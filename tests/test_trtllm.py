@@ -510,6 +510,35 @@ def test_logprobs_with_a_stop_token_finish(double: Path, checkpoint: Path, tmp_p
     asyncio.run(scenario())
 
 
+def test_logprobs_are_paired_with_tokens_by_position(double: Path, checkpoint: Path, tmp_path: Path) -> None:
+    """Cumulative logprobs longer than the ids (a trimmed stop token), bare floats (the C++
+    executor's), and a release that would hand only each step's: all map, one per token."""
+    from types import SimpleNamespace
+
+    from service.engine.trtllm.engine import _Handed
+
+    engine = _engine(checkpoint, tmp_path)
+    request = _request([1], logprobs=0)
+
+    def step(ids, text, logprobs, diff=None, finished=False):
+        completion = SimpleNamespace(token_ids=ids, text=text, logprobs=logprobs, logprobs_diff=diff,
+                                     finish_reason="stop" if finished else None)  # fmt: skip
+        return SimpleNamespace(outputs=[completion], finished=finished)
+
+    handed = _Handed()
+    first = engine._delta(request, step([5, 6], "ab", [-0.5, -1.0]), handed)
+    last = engine._delta(request, step([5, 6, 7], "abc", [-0.5, -1.0, -2.0, -3.0], finished=True), handed)
+    assert [e.logprob for e in (first.logprobs or []) + (last.logprobs or [])] == [-0.5, -1.0, -2.0]
+    assert last.token_ids == [7] and last.text == "c" and last.finish_reason == "stop"
+    handed = _Handed(tokens=2, text=2)
+    per_step = engine._delta(request, step([5, 6, 7], "abc", [-2.0], diff=[-2.0]), handed)
+    assert [e.logprob for e in per_step.logprobs or []] == [-2.0]
+    floor = engine._delta(request, step([8], "d", [float("-inf")]), _Handed())
+    assert [e.logprob for e in floor.logprobs or []] == [
+        -9999.0
+    ]  # as trtllm-serve floors it: JSON has no -inf
+
+
 def test_only_an_executor_failure_kills_the_engine(
     double: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -228,7 +228,10 @@ class TrtllmEngine:
         new_ids = token_ids[handed.tokens :]  # empty when a stop-word trim shortened the list
         logprobs = None
         if request.sampling.logprobs is not None:
-            logprobs = self._logprobs(completion.logprobs, new_ids, handed.tokens, request.sampling.logprobs)
+            entries, start = list(completion.logprobs or []), handed.tokens
+            if len(entries) < start + len(new_ids):  # not cumulative: this step's only
+                entries, start = list(getattr(completion, "logprobs_diff", None) or []), 0
+            logprobs = self._logprobs(entries, new_ids, start, request.sampling.logprobs)
         new_text = text[handed.text :]
         handed.tokens, handed.text = max(handed.tokens, len(token_ids)), max(handed.text, len(text))
         reason, error = None, None
@@ -250,11 +253,13 @@ class TrtllmEngine:
             time=time.monotonic(),
         )
 
-    def _logprobs(self, entries: Any, token_ids: list[int], start: int, top_n: int) -> list[TokenLogprob]:
-        """Our logprobs for `token_ids`, which sit at positions start, start + 1, ... of the
-        request's output; TensorRT-LLM's `logprobs` list is cumulative and may run longer (the
-        stop tokens it trimmed from token_ids) or, in principle, shorter."""
-        entries = list(entries or [])
+    def _logprobs(
+        self, entries: list[Any], token_ids: list[int], start: int, top_n: int
+    ) -> list[TokenLogprob]:
+        """Our logprobs for `token_ids`, which sit at positions start, start + 1, ... of
+        `entries`: TensorRT-LLM's cumulative `logprobs`, which may run longer than its token_ids
+        (the stop tokens it trimmed from them), or, should a release hand only each step's, its
+        `logprobs_diff` (start 0)."""
         mapped = []
         for position, token_id in enumerate(token_ids, start):
             entry = entries[position] if position < len(entries) else None
