@@ -487,8 +487,9 @@ def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
 
 def _worker_main() -> None:
     """A compile worker: its vocabulary, then one GuidedDecoding at a time, from its stdin; for each
-    ("ok", seconds, bytes) or ("refused", message) on its stdout. It exits when stdin closes or its
-    parent is gone (checked twice a second, also while xgrammar compiles: it releases the GIL)."""
+    ("ok", seconds, grammar bytes, resident bytes) or ("refused", message) on its stdout. It exits
+    when stdin closes or its parent is gone (checked twice a second, also while xgrammar compiles:
+    it releases the GIL)."""
     commands, answers = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -883,14 +884,18 @@ class GrammarCompiler:
         """Refuse `guided` (GrammarError, one line) or compile and cache it, under the limits. Its
         compiled grammar stays cached while this `guided` object lives (the request carries it to
         the step). Cancelling stops the compile (its worker is killed) or the wait for a slot."""
-        if self._cache.get(guided, pin_for=guided) is not None:
+        if self._known(guided):
             return
         check_spec(guided, self.limits.max_spec_bytes)
-        with self._refused_lock:
-            refused = self._refused.get(guided)
-        if refused is not None:
-            raise GrammarError(refused)
         await self._slots.acquire()
+        try:
+            known = self._known(guided)  # compiled (or refused) while this waited: many ask at once
+        except GrammarError:
+            self._slots.release()
+            raise
+        if known:
+            self._slots.release()
+            return
         loop = asyncio.get_running_loop()
         job = _Job(guided, guided, loop, loop.create_future())
         try:
@@ -903,6 +908,17 @@ class GrammarCompiler:
         except asyncio.CancelledError:
             self._cancel(job)
             raise
+
+    def _known(self, guided: GuidedDecoding) -> bool:
+        """True when `guided` is compiled already (pinned for this request), GrammarError when it
+        was refused already, False when it has still to be compiled."""
+        if self._cache.get(guided, pin_for=guided) is not None:
+            return True
+        with self._refused_lock:
+            refused = self._refused.get(guided)
+        if refused is not None:
+            raise GrammarError(refused)
+        return False
 
     def _cancel(self, job: _Job) -> None:
         job.cancelled = True
