@@ -4,7 +4,8 @@ Accepted: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with 
 or not, the schema is enforced), NIM's `nvext.guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`, and the same four at the top level as vLLM takes them. At most one may be given;
 other `guided_*` fields (vLLM's `guided_decoding_backend`, `guided_whitespace_pattern`) are refused
-rather than ignored. Whether the spec compiles is the engine's check (a 400 naming the problem).
+rather than ignored. Whether the spec is within the limits, can be enforced, can be satisfied and
+compiles is the engine's check (a 400 naming the problem; service/engine/torch/guided.py).
 Schemas keep the client's property order: it is the order the answer's keys come in.
 """
 
