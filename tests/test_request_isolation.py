@@ -124,6 +124,35 @@ def test_a_fault_in_one_row_ends_that_request_and_no_other(
     assert again.finish_reason == "length" and len(again.token_ids) == 12
 
 
+def test_a_grammar_dead_end_at_run_time_ends_that_request_alone(engine: TorchEngine) -> None:
+    """The API refuses constraints no text satisfies before they run (tests/test_structured_output);
+    one that reaches the step anyway (here submitted past the check) ends its own request when its
+    mask allows no token, and the rest of the batch is unchanged."""
+    from service.engine.protocol import GuidedDecoding
+
+    batch = _mixed_batch(engine)
+    engine.pool.reset_cache()
+    clean = run_all(engine, batch)
+    dead_end = GenerationRequest(
+        "dead-end",
+        prompt_of(engine, 9, seed=7),
+        SamplingParams(max_tokens=5, temperature=0.0, guided=GuidedDecoding("regex", "a[^\\s\\S]")),
+    )
+    engine.pool.reset_cache()
+    together = run_all(engine, [*batch[:2], dead_end, *batch[2:]])
+    wait_idle(engine)
+    failed = together["dead-end"].outputs[-1]
+    assert failed.error_cause == "request"
+    assert (
+        failed.error
+        == "the regular expression admits no token after 1 generated tokens: no text can satisfy it"
+    )
+    assert together["dead-end"].token_ids == engine.tokenizer.encode("a", False)
+    for request in batch:
+        assert _signature(together[request.request_id]) == _signature(clean[request.request_id])
+    assert engine.ready
+
+
 CHAT = {"model": "smollm2-135m-instruct", "max_tokens": 5, "temperature": 0}
 UNSATISFIABLE = {"guided_regex": "a[^\\s\\S]"}  # after "a", no character at all
 
@@ -165,10 +194,10 @@ def test_a_constraint_no_text_satisfies_fails_its_own_request(base_url: str, pat
 
         assert plain.status_code == 400, plain.text
         error = plain.json()["error"]
-        assert "regular expression admits no token" in error["message"]
+        assert "regular expression" in error["message"] and "no text" in error["message"], error
         assert error["type"] == "invalid_request_error"
         if streamed_status == 200:  # the stream had started: an error frame, not a dropped stream
-            assert "error" in streamed[-1] and "admits no token" in streamed[-1]["error"]["message"]
+            assert "error" in streamed[-1] and "no text" in streamed[-1]["error"]["message"]
         else:
             assert streamed_status == 400
         # The other stream in flight finished, token for token as it does alone.

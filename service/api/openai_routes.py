@@ -239,7 +239,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided, stop
     )
-    await _check(ready, engine_requests)
+    await _unless_disconnected(request, _check(ready, engine_requests))
     state.admit()
     if body.stream:
         return _sse(
@@ -369,7 +369,7 @@ async def completions(body: CompletionRequest, request: Request):
     adapter = await _adapter_for(ready, body.model)
     guided = guided_decoding(body)
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter, guided)
-    await _check(ready, engine_requests)
+    await _unless_disconnected(request, _check(ready, engine_requests))
     state.admit()
     if body.stream:
         return _sse(

@@ -36,10 +36,11 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from service.engine.config import GuidedLimits
 from service.engine.lora import LoraAdapter
 from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
 from service.engine.models.config import ModelConfig
@@ -146,6 +147,7 @@ class TorchEngineConfig:
     decode_kernel: bool = False  # decodes attend through the Triton paged kernel (CUDA)
     cuda_graphs: bool = False  # decode steps replay CUDA graphs captured at start-up
     scripted_decode: bool = False  # CPU decode-only steps run as one TorchScript call, where they can
+    guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
 
 
 @dataclass
@@ -357,7 +359,8 @@ class TorchEngine:
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                vocab_size = self.model_config.vocab_size
+                self._grammars = GrammarCompiler(self.tokenizer, vocab_size, self.config.guided)
             return self._grammars
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:

@@ -281,6 +281,7 @@ def build_engine(
         decode_kernel=loaded.decode_kernel,
         cuda_graphs=loaded.decode_kernel and not config.enforce_eager and size == 1,
         scripted_decode=device.type == "cpu" and not config.enforce_eager,  # where it can (it logs why not)
+        guided=config.guided,
     )
     quantized = config.precision not in FLOAT_PRECISIONS
     info = EngineInfo(
