@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
-from service.engine.precision import Mode, precision_mode
+from service.engine.precision import PRECISION_SPECS, SPECS, Mode, precision_mode
 from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
 from service.engine.trtllm import release as trtllm_release
@@ -52,21 +52,8 @@ PROFILES_DIR = _profiles_dir()
 Engine = Literal["tensorrt_llm", "torch"]
 Status = Literal["compatible", "low_memory", "incompatible"]
 
-PRECISIONS = ("nvfp4", "fp8", "int4_wo", "int8_wo", "bf16", "fp16", "fp32")
-# Minimum compute capability per precision for TensorRT-LLM (the torch engine emulates what its
-# GPU lacks, except bf16, which it needs on either engine).
-MIN_CAPABILITY = {"nvfp4": (10, 0), "fp8": (8, 9), "bf16": (8, 0), "int4_wo": (7, 5), "int8_wo": (7, 5)}
-# Bytes per weight, scales included (int4 groups of 32 with 16-bit scale and zero; nvfp4 blocks
-# of 16 with an e4m3 scale).
-WEIGHT_BYTES = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8_wo": 1.0,
-    "int4_wo": 0.625,
-    "nvfp4": 0.5625,
-}
+PRECISIONS = tuple(spec.name for spec in SPECS)  # the order selection prefers, other things equal
+WEIGHT_BYTES = {spec.name: spec.weight_bytes for spec in SPECS}
 # Bytes per KV element of an explicit KV cache dtype ("auto" is the activation dtype).
 KV_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU's memory the engine may plan for
@@ -190,7 +177,12 @@ def find_manifest(name: str, manifests: Iterable[Manifest]) -> Manifest | None:
     return None
 
 
-GENERIC_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8_wo", "int4_wo")
+# What a float checkpoint can be served in: its float precisions, then those quantized at load.
+GENERIC_PRECISIONS = tuple(
+    spec.name
+    for spec in sorted(SPECS, key=lambda spec: spec.quantized)
+    if not spec.quantized or spec.quantized_at_load
+)
 
 
 def generic_manifest(
@@ -292,6 +284,7 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
         reasons.append(f"precision {profile.precision}, but NIM_DTYPE asks for {policy.precision}")
     devices = profile.tp * profile.pp
     gpus = system.gpus[:devices]
+    spec = PRECISION_SPECS.get(profile.precision)
     if not system.gpus:
         if profile.llm_engine == "tensorrt_llm":
             reasons.append(f"needs an NVIDIA GPU; none found ({system.nvml_status})")
@@ -300,8 +293,8 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
                 f"needs {devices} GPUs, none found ({system.nvml_status}); on the CPU, tensor "
                 f"parallelism runs only when NIM_TENSOR_PARALLEL_SIZE={profile.tp} asks for it"
             )
-        elif profile.precision == "fp16":
-            reasons.append("fp16 needs a GPU; on the CPU the engine computes in bf16 or fp32")
+        elif spec is not None and not spec.runs_on_cpu:
+            reasons.append(f"{profile.precision} needs a GPU; on the CPU the engine computes in bf16 or fp32")
     else:
         if len(system.gpus) < devices:
             reasons.append(
@@ -310,9 +303,8 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
         family = system.gpus[0].family
         if profile.gpu != "generic" and profile.gpu != family:
             reasons.append(f"built for {profile.gpu.upper()}; this system has {family.upper()}")
-        needed = MIN_CAPABILITY.get(profile.precision)
-        if profile.llm_engine == "torch" and profile.precision != "bf16":
-            needed = None  # the torch engine emulates what the GPU lacks
+        # the torch engine emulates what the GPU lacks, except where the spec says it cannot
+        needed = None if spec is None else spec.min_capability(profile.llm_engine)
         if needed is not None:
             low = min(g.compute_capability for g in gpus)
             if low < needed:
@@ -394,9 +386,9 @@ def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     family = system.gpus[0].family if system.gpus else "cpu"
     precision_rank = PRECISIONS.index(p.precision)
     slow_bf16 = not ({"avx512_bf16", "amx_bf16"} & set(system.cpu.isa_flags))
-    if not system.gpus and slow_bf16 and p.precision in ("bf16", "int4_wo", "int8_wo"):
+    if not system.gpus and slow_bf16 and PRECISION_SPECS[p.precision].cpu_wants_bf16:
         # bf16 (and the int kernels, which run fast only with bf16 activations) is slow on this CPU
-        precision_rank = PRECISIONS.index("fp32") + 1
+        precision_rank = len(PRECISIONS)
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
         verdict.mode == "emulated",

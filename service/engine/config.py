@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
+
+from service.engine.precision import SPECS
 
 # The vocabularies shared by Settings, profiles and engines; each is defined here only.
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -20,7 +22,7 @@ DeviceKind = Literal["auto", "cpu", "cuda"]
 ModelFormat = Literal["gguf", "hf_dir"]
 
 # Profile precision tags of the unquantized dtypes, and back (NIM_DTYPE names dtypes).
-PRECISION_DTYPES: dict[str, DType] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PRECISION_DTYPES: dict[str, DType] = {s.name: cast(DType, s.dtype) for s in SPECS if s.dtype is not None}
 PRECISION_TAGS: dict[DType, str] = {dtype: tag for tag, dtype in PRECISION_DTYPES.items()}
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
-from service.engine.precision import TORCH_PRECISIONS
+from service.engine.precision import TORCH_PRECISIONS, TRTLLM_PRECISIONS
 from service.engine.protocol import LoadedEngine
 
 # Called from the engine's own thread when its step loop dies.
@@ -60,11 +60,7 @@ ENGINES: dict[str, EngineEntry] = {
     "tensorrt_llm": EngineEntry(
         "tensorrt_llm",
         "service.engine.trtllm",
-        EngineSupport(
-            precisions=frozenset({"bf16", "fp16", "fp8", "nvfp4", "int4_wo", "int8_wo"}),
-            max_tensor_parallel=8,
-            lora=True,
-        ),
+        EngineSupport(precisions=TRTLLM_PRECISIONS, max_tensor_parallel=8, lora=True),
         needs="tensorrt_llm",
     ),
 }
