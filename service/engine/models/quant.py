@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from service.engine.precision import PRECISION_SPECS, SPECS
+
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # e2m1 code (sign bit 3) -> value.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -369,17 +371,24 @@ def int4_group_size(k: int, preferred: int) -> int:
     raise QuantizationError(f"no int4 group size in {INT4_GROUP_SIZES} divides {k} inputs")
 
 
+# Each quantized precision's storage format (its spec names the class), by precision tag.
+FORMATS: dict[str, type[QuantizedWeight]] = {
+    spec.name: globals()[spec.storage_format] for spec in SPECS if spec.storage_format is not None
+}
+
+
 def quantize(weight: Tensor, precision: str, name: str, int4_group: int = 128) -> QuantizedWeight:
-    """Quantize a float [N, K] weight at load into `precision`'s format."""
+    """Quantize a float [N, K] weight at load into `precision`'s format (its `quantize`)."""
     if weight.dim() != 2:
         raise QuantizationError(f"{name}: only 2-D weights are quantized, got shape {tuple(weight.shape)}")
-    if precision == "int4_wo":
+    spec = PRECISION_SPECS.get(precision)
+    if spec is None or not spec.quantized_at_load:
+        raise QuantizationError(f"{name}: weights are not quantized to {precision} at load")
+    kind: Any = FORMATS[precision]
+    if kind is Int4Weight:  # the one format with a group size to choose
         return Int4Weight.quantize(weight, int4_group_size(weight.shape[1], int4_group))
-    if precision == "int8_wo":
-        return Int8Weight.quantize(weight)
-    if precision == "fp8":
-        return FP8Weight.quantize(weight)
-    raise QuantizationError(f"{name}: weights are not quantized to {precision} at load")
+    quantized: QuantizedWeight = kind.quantize(weight)
+    return quantized
 
 
 # GGUF block layouts (ggml-common.h): 32 weights per block, fp16 scale(s) first.

@@ -25,14 +25,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from service.engine.models.quant import FP8Weight, Int4Weight, Int8Weight, NVFP4Weight, QuantizedWeight
+from service.engine.models.quant import FORMATS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bump when a format's fields or meaning change
 WEIGHTS_FILE = "weights.safetensors"
 ENTRY_FILE = "entry.json"
-_FORMATS: dict[str, type] = {f.__name__: f for f in (Int4Weight, Int8Weight, FP8Weight, NVFP4Weight)}
+# An entry names each weight's format by its class (the precision spec's storage_format).
+_FORMATS: dict[str, type[QuantizedWeight]] = {kind.__name__: kind for kind in FORMATS.values()}
 _SEPARATOR = "::"
 
 Weight = torch.Tensor | QuantizedWeight

@@ -15,8 +15,8 @@ dequantized weight applied in the activation dtype (as vLLM's weight-only FP8 fa
 native fp8 layer quantizes activations to e4m3 too: with the checkpoint's static input scale
 where it has one, else with one scale per token computed at run time.
 
-`precision_mode` (service.engine.precision) states the same table for selection; a test holds the
-two together.
+The precision specs (service.engine.precision) state this table, which layer serves which format
+and which kernel is native where; selection and these layers both read them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from service.engine.models.quant import (
     E2M1_VALUES,
+    FORMATS,
     FP8_MAX,
     FP8Weight,
     Int4Weight,
@@ -37,6 +38,7 @@ from service.engine.models.quant import (
     QuantizationError,
     QuantizedWeight,
 )
+from service.engine.precision import SPECS
 from service.engine.precision import precision_mode as _precision_mode
 
 
@@ -86,7 +88,7 @@ class Int4Linear(QuantLinear):
     ) -> None:
         super().__init__(weight.shape, bias, dtype)
         self.group_size = weight.group_size
-        self.native = precision_mode("int4_wo", device) == "native"
+        self.native = precision_mode(self.precision, device) == "native"
         if self.native:
             n, k = weight.shape
             rows = -(-n // INT4_CPU_ROW_MULTIPLE) * INT4_CPU_ROW_MULTIPLE
@@ -131,7 +133,7 @@ class Int8Linear(QuantLinear):
         self, weight: Int8Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__(weight.shape, bias, dtype)
-        self.native = precision_mode("int8_wo", device) == "native"
+        self.native = precision_mode(self.precision, device) == "native"
         self.register_buffer("q", weight.q.to(device))
         # The CPU kernel takes the scales in the activation dtype.
         self.register_buffer("scale", weight.scale.to(device, dtype if self.native else torch.float32))
@@ -154,7 +156,7 @@ class FP8Linear(QuantLinear):
         self, weight: FP8Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__(weight.shape, bias, dtype)
-        self.native = precision_mode("fp8", device) == "native"
+        self.native = precision_mode(self.precision, device) == "native"
         if self.native and dtype != torch.bfloat16:
             raise QuantizationError(f"native fp8 matmuls here produce bf16 activations, not {dtype}")
         self.register_buffer("q", weight.q.to(device))
@@ -201,7 +203,7 @@ class NVFP4Linear(QuantLinear):
         self, weight: NVFP4Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__(weight.shape, bias, dtype)
-        self.native = precision_mode("nvfp4", device) == "native"
+        self.native = precision_mode(self.precision, device) == "native"
         if self.native:  # precision_mode never says so in this release; kept honest here too
             raise QuantizationError("native nvfp4 matmuls are not built; nvfp4 runs emulated")
         self.register_buffer("packed", weight.packed.to(device))
@@ -216,11 +218,9 @@ class NVFP4Linear(QuantLinear):
         return F.linear(x, weight, self.bias)
 
 
+# Each quantized format's layer (its precision's spec names both classes).
 _LINEARS: dict[type, type[QuantLinear]] = {
-    Int4Weight: Int4Linear,
-    Int8Weight: Int8Linear,
-    FP8Weight: FP8Linear,
-    NVFP4Weight: NVFP4Linear,
+    FORMATS[spec.name]: globals()[spec.layer] for spec in SPECS if spec.layer is not None
 }
 
 
