@@ -6,8 +6,9 @@ Selection, in order:
      another GPU family; TensorRT-LLM's compute capability lacks the precision (fp8 needs 8.9+,
      nvfp4 10.0+; bf16 needs 8.0+ on either engine); or the weights plus a KV cache for the full
      context do not fit per device by the KV formula (2 x layers x kv_heads x head_dim x bytes per
-     token, split over tp and pp). The torch engine runs every precision, natively or emulated
-     (service.engine.precision): each verdict says which.
+     token, split over tp and pp). The torch engine runs every precision, natively or emulated:
+     each verdict says which. Every fact about a precision here is its spec's
+     (service.engine.precision).
   2. A profile whose weights fit but whose full context does not is "low memory": it is offered
      with the longest context that fits (a multiple of 1,024 tokens, at least MIN_CONTEXT).
   3. Rank the rest: native precision over emulated (an emulated profile runs when asked for, and
@@ -56,6 +57,7 @@ PRECISIONS = tuple(spec.name for spec in SPECS)  # the order selection prefers, 
 WEIGHT_BYTES = {spec.name: spec.weight_bytes for spec in SPECS}
 # Bytes per KV element of an explicit KV cache dtype ("auto" is the activation dtype).
 KV_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+_CPU_FLOATS = " or ".join(spec.name for spec in SPECS if spec.dtype is not None and spec.runs_on_cpu)
 GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU's memory the engine may plan for
 CPU_MEMORY_UTILIZATION = 0.8
 RUNTIME_OVERHEAD_BYTES = 1 << 30  # activations, workspaces, CUDA context
@@ -258,8 +260,9 @@ class Verdict:
 
 
 def kv_bytes_per_token_per_device(profile: Profile, arch: Architecture) -> float:
-    if profile.kv_cache_dtype == "auto":  # the activation dtype: fp32 for fp32 weights, else 16-bit
-        element = 4 if profile.precision == "fp32" else 2
+    if profile.kv_cache_dtype == "auto":  # the activation dtype: a float precision's own, else 16-bit
+        spec = PRECISION_SPECS.get(profile.precision)
+        element = KV_BYTES[spec.dtype] if spec is not None and spec.dtype is not None else 2
     else:
         element = KV_BYTES.get(profile.kv_cache_dtype, 2)
     heads_per_device = max(1, arch.num_kv_heads // profile.tp)
@@ -294,7 +297,9 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
                 f"parallelism runs only when NIM_TENSOR_PARALLEL_SIZE={profile.tp} asks for it"
             )
         elif spec is not None and not spec.runs_on_cpu:
-            reasons.append(f"{profile.precision} needs a GPU; on the CPU the engine computes in bf16 or fp32")
+            reasons.append(
+                f"{profile.precision} needs a GPU; on the CPU the engine computes in {_CPU_FLOATS}"
+            )
     else:
         if len(system.gpus) < devices:
             reasons.append(
