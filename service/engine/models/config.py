@@ -12,16 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from service.engine.models import registry
+
 if TYPE_CHECKING:
     import gguf
 
-SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_HF_ARCHITECTURES: dict[str, str] = registry.HF_FAMILIES  # HF name -> family
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = registry.GGUF_ARCHITECTURES
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3")
 
 # HF config classes' own defaults for keys a config.json may omit.
@@ -237,9 +234,7 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
     if not architectures and model_type in SUPPORTED_HF_ARCHITECTURES.values():
         return str(model_type)
     described = ", ".join(architectures) if architectures else f"model_type {model_type!r}"
-    raise UnsupportedModelError(
-        f"architecture {described} is not supported; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
-    )
+    raise UnsupportedModelError(registry.unsupported(described))
 
 
 def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
+from service.engine.models.base import CausalLM, LinearLayer, LinearPart, LlamaStack
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 from service.engine.models.quant import QuantizationError, QuantizedWeight, concat_rows
@@ -293,13 +294,20 @@ class LlamaModel(nn.Module):
         return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
 
 
+# role (base.LinearLayer) -> (block, module name, the checkpoint projections it holds in row order)
+_LINEAR_ROLES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "qkv": ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "o": ("self_attn", "o_proj", ("o_proj",)),
+    "gate_up": ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    "down": ("mlp", "down_proj", ("down_proj",)),
+}
+
 # checkpoint projection name -> (fused module name, shard index within it)
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
+    part: (module, index)
+    for _, module, parts in _LINEAR_ROLES.values()
+    if len(parts) > 1
+    for index, part in enumerate(parts)
 }
 
 
@@ -345,6 +353,62 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         normed, _ = self.model.norm.add_forward(hidden, residual)
         return normed
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp is not None
+
+    def linear_layers(self) -> list[LinearLayer]:
+        """Per layer: qkv, o, gate_up, down (base.CausalLM)."""
+        config = self.config
+        hidden, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
+        rows |= {"gate_proj": inter, "up_proj": inter, "down_proj": hidden}
+        inputs = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
+        linears = []
+        for index, layer in enumerate(self.model.decoder_layers()):
+            for role, (block, module_name, parts) in _LINEAR_ROLES.items():
+                prefix = f"model.layers.{index}.{block}"
+                linears.append(
+                    LinearLayer(
+                        layer=index,
+                        role=role,
+                        in_features=inputs[role],
+                        parts=tuple(LinearPart(p, f"{prefix}.{p}.weight", rows[p]) for p in parts),
+                        module=getattr(getattr(layer, block), module_name),
+                    )
+                )
+        return linears
+
+    def set_linear(self, layer: int, role: str, module: nn.Module) -> None:
+        block, module_name, _ = _LINEAR_ROLES[role]
+        setattr(getattr(self.model.decoder_layers()[layer], block), module_name, module)
+
+    def llama_stack(self) -> LlamaStack:
+        layers = self.model.decoder_layers()
+        norms = [
+            n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        qk_norms: list[Tensor] = []
+        for layer in layers:
+            attn = layer.self_attn
+            if attn.q_norm is not None and attn.k_norm is not None:
+                qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
+        return LlamaStack(
+            embedding=self.model.embed_tokens,
+            rope_tables=self.rotary.lookup_full,
+            norms=norms,
+            qk_norms=qk_norms,
+            final_norm=self.model.norm.weight,
+        )
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         if self.tp is None:
@@ -531,3 +595,7 @@ class LlamaForCausalLM(nn.Module):
             table = self.model.embed_tokens.weight
             total += table.numel() * table.element_size()
         return total
+
+
+if TYPE_CHECKING:
+    _IMPLEMENTS: type[CausalLM] = LlamaForCausalLM  # mypy holds the class to the protocol

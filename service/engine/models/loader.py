@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.modelopt import checkpoint_quantization, read_quantized
 from service.engine.models.quant import (
     Int4Weight,
@@ -33,6 +33,7 @@ from service.engine.models.quant import (
     gguf_q4_1,
     quantize,
 )
+from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
 from service.model_store import PICKLE_SUFFIXES
@@ -321,15 +322,15 @@ def build_model(
     weights: Iterable[tuple[str, Weight]],
     dtype: torch.dtype,
     device: torch.device | str,
-) -> LlamaForCausalLM:
-    """Build the model on 'meta' and load ``weights`` onto ``device``: each float parameter is
-    allocated in ``dtype`` when it is first written, and quantized weights replace their linear
-    layers, so no full-precision copy of a quantized layer is ever allocated.
+) -> CausalLM:
+    """Build the registry's model for `config` on 'meta' and load ``weights`` onto ``device``:
+    each float parameter is allocated in ``dtype`` when it is first written, and quantized weights
+    replace their linear layers, so no full-precision copy of a quantized layer is ever allocated.
 
     Returns the model in eval mode with gradients off.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config.architecture)(config)
     model = model.to(dtype=dtype)
     model.load_weights(weights, device=torch.device(device))
     model.eval()

@@ -1,0 +1,128 @@
+"""What the engine needs of a model: the `CausalLM` protocol every architecture implements.
+
+The engine (runner, CUDA graphs, scripted CPU decode, LoRA slots, loading) sees a model only
+through this protocol; a model's attribute paths (``model.layers.N.self_attn...``) stay inside its
+own file. Linear layers are named by where they sit, ``(layer index, role)``, with the checkpoint
+projections each holds, so LoRA wrapping and quantization-aware paths never spell a path.
+
+A model is an ``nn.Module`` (parameters, ``to``, ``eval``) with HF-named parameters; building one
+goes through service.engine.models.registry, which maps a checkpoint's architecture to its class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from service.engine.models.attention import Attention
+from service.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from service.engine.models.quant import QuantizedWeight
+    from service.engine.models.tensor_parallel import Collectives, TPLayout
+
+
+@dataclass(frozen=True)
+class LinearPart:
+    """One checkpoint projection inside a (possibly fused) linear layer, in its row order."""
+
+    name: str  # the projection as checkpoints and LoRA adapters name it: "q_proj", "gate_proj", ...
+    weight_name: str  # its checkpoint weight: "model.layers.0.self_attn.q_proj.weight"
+    rows: int  # output rows it fills (this rank's, under tensor parallelism)
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One linear layer of a decoder layer, as the model holds it now (float, quantized, packed
+    or LoRA-wrapped)."""
+
+    layer: int  # decoder layer index
+    role: str  # "qkv", "o", "gate_up", "down": the fused projections as the model holds them
+    in_features: int
+    parts: tuple[LinearPart, ...]  # what its output rows are, in order
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class LlamaStack:
+    """What code that runs a Llama-shaped decoder stack itself needs (the scripted CPU decode):
+    pre-norm layers of fused qkv attention (optional per-head q/k RMSNorm, rotate-half RoPE) and a
+    SiLU-gated MLP of fused gate_up, RMSNorm with one eps throughout. The linears come from
+    `CausalLM.linear_layers`."""
+
+    embedding: nn.Module  # token ids [T] -> [T, hidden]
+    rope_tables: Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]  # RotaryEmbedding.lookup_full
+    norms: Sequence[Tensor]  # per layer: input, post-attention
+    qk_norms: Sequence[Tensor]  # per layer: q, k (empty: the model has none)
+    final_norm: Tensor
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over a flat token batch; it holds no KV state."""
+
+    config: ModelConfig  # this rank's sizes under tensor parallelism
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
+        """input_ids, positions: [T] int64, a flat batch of any mix of sequences; returns the final
+        hidden states [T, hidden]. `attention` alone knows which keys each token sees."""
+        ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32 (the whole vocabulary under tensor parallelism)."""
+        ...
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]], device: torch.device | None = None
+    ) -> None:
+        """Write HF-named checkpoint weights (strict: every parameter exactly once)."""
+        ...
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype hidden states (and attention masks) are computed in."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether this is one rank's shard, joined to the others by collectives."""
+        ...
+
+    def linear_layers(self) -> list[LinearLayer]:
+        """Every decoder layer's linear layers, layer by layer, each layer's in forward order."""
+        ...
+
+    def set_linear(self, layer: int, role: str, module: nn.Module) -> None:
+        """Hold `module` as the `role` linear of decoder layer `layer` (e.g. a LoRA wrapper of it)."""
+        ...
+
+    def llama_stack(self) -> LlamaStack | None:
+        """This model's tensors as a Llama-shaped stack; None where its layers are shaped otherwise."""
+        ...
+
+    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None: ...
+
+    def use_fused_kernels(self, enabled: bool = True) -> None: ...
+
+    def prepack_for_cpu(self) -> None:
+        """Hold linear layers in oneDNN's packed layout (inference only, after loading)."""
+        ...
+
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one decode step reads."""
+        ...
+
+    # The nn.Module methods the engine uses.
+    def to(self, dtype: torch.dtype) -> Self: ...
+
+    def eval(self) -> Self: ...
+
+    def requires_grad_(self, requires_grad: bool = True) -> Self: ...
