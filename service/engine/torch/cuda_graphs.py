@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.base import CausalLM
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.triton_attention import paged_decode_attention
@@ -71,7 +71,7 @@ class GraphDecodeAttention:
 
 class CudaGraphDecoder:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, max_batch: int, max_model_len: int, device: torch.device
+        self, model: CausalLM, pool: KVPool, max_batch: int, max_model_len: int, device: torch.device
     ) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.buckets = batch_buckets(max_batch)

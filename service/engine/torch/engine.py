@@ -43,8 +43,8 @@ import torch
 from service.engine.config import GuidedLimits
 from service.engine.lora import LoraAdapter
 from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
+from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig
-from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
@@ -194,7 +194,7 @@ class _Fail:
 class TorchEngine:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         tokenizer: Tokenizer,
         config: TorchEngineConfig,

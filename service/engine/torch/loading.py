@@ -14,9 +14,9 @@ from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
 from service.engine.lora_store import LoraStore
 from service.engine.models import quant_cache
+from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import prepacking_supported
-from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
     build_model,
@@ -110,7 +110,7 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 class RankLoad:
     """One rank's model (the whole model when there is one rank) and what its KV pool holds."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     model_config: ModelConfig  # the whole model's
     kv_spec: KVCacheSpec  # this rank's kv heads
     max_model_len: int
@@ -120,7 +120,7 @@ class RankLoad:
 
     def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
         """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory."""
-        device = self.model.model.norm.weight.device
+        device = self.model.device
         share = ranks if device.type == "cpu" else 1
         return size_kv_cache(
             self.kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, self.max_model_len, share

@@ -1,8 +1,9 @@
 """A model's LoRA device slots: every decoder projection wrapped once with its slot stacks.
 
-`LoraSlots.attach` wraps each layer's qkv_proj (parts q/k/v), o_proj, gate_up_proj (parts
-gate/up) and down_proj in an AdaptedLinear whose stacks hold `num_slots` adapters of rank up to
-`max_rank` (service.engine.models.lora_ops). Memory is taken once, at start, before the KV cache
+`LoraSlots.attach` wraps each of the model's linear layers (`CausalLM.linear_layers`; for the
+Llama family qkv with parts q/k/v, o, gate_up with parts gate/up, and down) in an AdaptedLinear
+whose stacks hold `num_slots` adapters of rank up to `max_rank`
+(service.engine.models.lora_ops). Memory is taken once, at start, before the KV cache
 is sized; filling a slot copies an adapter's weights into it (zeros where the adapter leaves a
 projection alone). Each step the runner sets which rows use which slot; rows of the base model
 (NO_ADAPTER) run the base layers alone.
@@ -19,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from service.engine.lora import LoraAdapter, block_of
-from service.engine.models.llama import LlamaForCausalLM
+from service.engine.lora import LoraAdapter
+from service.engine.models.base import CausalLM, LinearPart
 from service.engine.models.lora_ops import (
     NO_ADAPTER,
     AdaptedLinear,
@@ -31,14 +32,6 @@ from service.engine.models.lora_ops import (
 )
 from service.engine.models.tensor_parallel import TPLayout
 
-# fused module -> the checkpoint projections it holds, in row order
-_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
-
 
 class LoraSlots:
     def __init__(self, num_slots: int, max_rank: int, layout: TPLayout | None = None) -> None:
@@ -46,70 +39,49 @@ class LoraSlots:
         self.max_rank = max_rank
         self.layout = layout  # this rank's shard of every projection (None: the whole model)
         self.context = LoraContext()
-        self.stacks: dict[tuple[int, str], LoraStack] = {}  # (layer, fused module) -> stack
+        # (layer, role) -> the linear's stack, and the checkpoint projections its rows hold
+        self.stacks: dict[tuple[int, str], tuple[LoraStack, tuple[LinearPart, ...]]] = {}
         self.names: list[str | None] = [None] * num_slots  # what each slot holds (for logs)
 
     @classmethod
     def attach(
-        cls, model: LlamaForCausalLM, num_slots: int, max_rank: int, layout: TPLayout | None = None
+        cls, model: CausalLM, num_slots: int, max_rank: int, layout: TPLayout | None = None
     ) -> LoraSlots:
         """Wrap `model`'s projections (after its weights are loaded and prepacked); `model` is
         `layout`'s shard under tensor parallelism."""
         slots = cls(num_slots, max_rank, layout)
-        config = model.config  # this rank's sizes
-        device = model.model.embed_tokens.weight.device
+        device = model.device
         # float32 on the CPU (small bfloat16 matmuls are slow there), the activation dtype on GPUs
-        dtype = torch.float32 if device.type == "cpu" else model.model.embed_tokens.weight.dtype
-        sizes = {
-            "q_proj": config.q_size,
-            "k_proj": config.kv_size,
-            "v_proj": config.kv_size,
-            "o_proj": config.hidden_size,
-            "gate_proj": config.intermediate_size,
-            "up_proj": config.intermediate_size,
-            "down_proj": config.hidden_size,
-        }
-        inputs = {
-            "qkv_proj": config.hidden_size,
-            "o_proj": config.q_size,
-            "gate_up_proj": config.hidden_size,
-            "down_proj": config.intermediate_size,
-        }
-        for index, layer in enumerate(model.model.layers):
-            for owner in (layer.self_attn, layer.mlp):
-                for fused, parts in _PARTS.items():
-                    base = getattr(owner, fused, None)
-                    if base is None:
-                        continue
-                    stack = LoraStack(
-                        inputs[fused], [(p, sizes[p]) for p in parts], num_slots, max_rank, dtype, device
-                    )
-                    setattr(owner, fused, AdaptedLinear(base, stack, slots.context))
-                    slots.stacks[(index, fused)] = stack
+        dtype = torch.float32 if device.type == "cpu" else model.activation_dtype
+        for linear in model.linear_layers():  # this rank's sizes
+            parts = [(part.name, part.rows) for part in linear.parts]
+            stack = LoraStack(linear.in_features, parts, num_slots, max_rank, dtype, device)
+            model.set_linear(linear.layer, linear.role, AdaptedLinear(linear.module, stack, slots.context))
+            slots.stacks[(linear.layer, linear.role)] = (stack, linear.parts)
         return slots
 
     @property
     def nbytes(self) -> int:
-        return sum(stack.nbytes for stack in self.stacks.values())
+        return sum(stack.nbytes for stack, _ in self.stacks.values())
 
     def fill(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter` into `slot` (whatever the slot held is gone)."""
-        for (layer, fused), stack in self.stacks.items():
+        for (layer, _), (stack, parts) in self.stacks.items():
             pieces = {}
-            for part in _PARTS[fused]:
-                weights = adapter.modules.get((layer, part))
+            for part in parts:
+                weights = adapter.modules.get((layer, part.name))
                 if weights is not None:
-                    pieces[part] = self._shard(layer, part, (weights.a, weights.b, weights.scale))
+                    pieces[part.name] = self._shard(part, (weights.a, weights.b, weights.scale))
             stack.fill(slot, pieces)
         self.names[slot] = adapter.name
 
-    def _shard(self, layer: int, part: str, piece: LoraPiece) -> LoraPiece:
+    def _shard(self, part: LinearPart, piece: LoraPiece) -> LoraPiece:
         """This rank's share of one projection's adapter weights."""
         if self.layout is None:
             return piece
         a, b, scale = piece
-        split = self.layout.split_of(f"model.layers.{layer}.{block_of(part)}.{part}.weight")
-        assert split is not None, part
+        split = self.layout.split_of(part.weight_name)
+        assert split is not None, part.weight_name
         how, start, stop = split
         if how == "rows":  # column-parallel: this rank's output rows
             return a, b[start:stop], scale

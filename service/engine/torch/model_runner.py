@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.base import CausalLM
 from service.engine.protocol import ErrorCause, TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.guided import GrammarCompiler, GuidedRow
@@ -94,7 +94,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         pool: KVPool,
         device: torch.device,
         decode_graphs: CudaGraphDecoder | None = None,
@@ -115,7 +115,7 @@ class ModelRunner:
         self.device = device
         self.lora = lora  # the model's adapter slots, when it serves LoRA adapters
         self.grammars = grammars  # structured output: the compiler (its grammars compiled already)
-        self.dtype = model.model.embed_tokens.weight.dtype  # the activations' (attention masks too)
+        self.dtype = model.activation_dtype  # the activations' (attention masks too)
         self.block_size = pool.spec.block_size
         config = model.config
         self.num_heads, self.head_dim = config.num_heads, config.head_dim

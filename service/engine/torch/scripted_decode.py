@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from service.engine.models.base import CausalLM
 from service.engine.models.cpu_linear import MIN_ROWS, PackedLinear
-from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.models.quant_linear import Int4Linear, Int8Linear
 from service.engine.torch.kv_pool import KVPool
@@ -47,6 +47,9 @@ FLOAT: Final = 0  # nn.Linear: F.linear
 PACKED: Final = 1  # PackedLinear: oneDNN's packed matmul, small batches padded where it says so
 INT4: Final = 2  # Int4Linear (native): aten's CPU int4 kernel, padded output rows cut
 INT8: Final = 3  # Int8Linear (native): aten's int8 weight-only kernel
+
+# The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
+_ROLES = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -214,20 +217,15 @@ def _scripted_stack() -> Any:
 class ScriptedDecoder:
     """Runs a decode-only step's decoder layers as one `_decode_stack` call (see the module docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, layers: list[list[LinearArgs]]) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, layers: list[list[LinearArgs]]) -> None:
         self.model = model
         self.pool = pool
         config = model.config
-        blocks = model.model.decoder_layers()
-        self._norms: list[Tensor] = []
-        for layer in blocks:
-            self._norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        self._qk_norms: list[Tensor] = []
-        if config.qk_norm:
-            for layer in blocks:
-                attn = layer.self_attn
-                assert attn.q_norm is not None and attn.k_norm is not None
-                self._qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
+        stack = model.llama_stack()
+        assert stack is not None, "build() decodes eagerly where the model is shaped otherwise"
+        self._stack = stack
+        self._norms: list[Tensor] = list(stack.norms)  # per layer: input, post-attention
+        self._qk_norms: list[Tensor] = list(stack.qk_norms)  # per layer: q, k (empty: none)
         flat = [args for layer in layers for args in layer]
         self._linears: tuple[Any, ...] = (
             [a.kind for a in flat],
@@ -248,18 +246,16 @@ class ScriptedDecoder:
         )
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, pool: KVPool) -> ScriptedDecoder | None:
+    def build(cls, model: CausalLM, pool: KVPool) -> ScriptedDecoder | None:
         """The decoder for `model` over `pool`, or None (logged, with the reason) where decode
         steps must run eagerly."""
         reason = cls._unsupported(model, pool)
+        by_layer: dict[int, dict[str, nn.Module]] = {}
+        for linear in model.linear_layers() if reason is None else []:
+            by_layer.setdefault(linear.layer, {})[linear.role] = linear.module
         layers: list[list[LinearArgs]] = []
-        for index, layer in enumerate(model.model.decoder_layers() if reason is None else []):
-            modules = {
-                "qkv_proj": layer.self_attn.qkv_proj,
-                "o_proj": layer.self_attn.o_proj,
-                "gate_up_proj": layer.mlp.gate_up_proj,
-                "down_proj": layer.mlp.down_proj,
-            }
+        for index, roles in by_layer.items():
+            modules = {role: roles[role] for role in _ROLES}
             found = {name: linear_args(module) for name, module in modules.items()}
             missing = [name for name, args in found.items() if args is None]
             if missing:
@@ -284,17 +280,19 @@ class ScriptedDecoder:
         return cls(model, pool, layers)
 
     @staticmethod
-    def _unsupported(model: LlamaForCausalLM, pool: KVPool) -> str | None:
+    def _unsupported(model: CausalLM, pool: KVPool) -> str | None:
+        if model.llama_stack() is None:
+            return "the model's layers are not the Llama shape the scripted stack runs"
         if pool.scales is not None:
             return f"the {pool.spec.cache_dtype} KV cache is dequantized by the eager path"
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.activation_dtype
         if pool.data[0].dtype != dtype:
             return f"the KV cache holds {pool.data[0].dtype}, the activations are {dtype}"
-        if model.tp is not None:
+        if model.tensor_parallel:
             return "tensor parallelism all-reduces between the layers"
-        if any(isinstance(module, AdaptedLinear) for module in model.modules()):
+        if any(isinstance(linear.module, AdaptedLinear) for linear in model.linear_layers()):
             return "LoRA adapters wrap the projections"
-        if model.model.embed_tokens.weight.device.type != "cpu":
+        if model.device.type != "cpu":
             return "the model is not on the CPU"
         return None
 
@@ -307,9 +305,9 @@ class ScriptedDecoder:
         """input_ids, positions: [B] (one token per sequence) -> final-norm hidden states [B, hidden],
         bitwise `model(input_ids, positions, PagedAttention(pool, meta, ...))`."""
         assert self.can_run(meta) and meta.decode_mask is not None
-        model = self.model
-        hidden = model.model.embed_tokens(input_ids)
-        cos, sin = model.rotary.lookup_full(positions, hidden.dtype)
+        stack = self._stack
+        hidden = stack.embedding(input_ids)
+        cos, sin = stack.rope_tables(positions, hidden.dtype)
         run = meta.decode_block_run
         first, count = run if run is not None else (0, 0)
         result: Tensor = _scripted_stack()(
@@ -326,7 +324,7 @@ class ScriptedDecoder:
             self._norms,
             self._qk_norms,
             *self._linears,
-            model.model.norm.weight,
+            stack.final_norm,
             *self._dims,
         )
         return result
