@@ -28,7 +28,7 @@ from service.engine.lora import (
     scan_source,
 )
 from service.engine.models.config import ModelConfig
-from service.engine.models.lora_ops import NO_ADAPTER, LoraBatch, LoraStack
+from service.engine.models.lora_ops import MIN_ROWS, NO_ADAPTER, LoraBatch, LoraStack
 
 CONFIG = ModelConfig.from_hf_config(
     {
@@ -339,7 +339,11 @@ def test_sequences_become_rows_of_their_slots() -> None:
     assert batch.rows is not None and batch.rows.tolist() == [0, 4, 5, 6, 7]  # base rows left out
     assert batch.own is not None
     first, second = [True, False], [False, True]
-    assert batch.own[:, :, 0].tolist() == [second, first, first, second, second]
+    assert batch.own[:5, :, 0].tolist() == [second, first, first, second, second]
+    assert batch.own.shape[0] == MIN_ROWS and not batch.own[5:].any()  # padding rows use no slot
+    every = LoraBatch.from_sequences([1, NO_ADAPTER], [1, 3], num_slots=4)  # the engine's shapes
+    assert every.present.tolist() == [0, 1, 2, 3] and every.segments == ((1, 1),)
+    assert every.own is not None and every.own[0, :, 0].tolist() == [False, True, False, False]
     whole = LoraBatch.from_sequences([2, 2], [3, 1])  # every row uses the one slot
     assert whole.rows is None and whole.own is None
     some = LoraBatch.from_sequences([NO_ADAPTER, 2], [2, 2])  # one slot, base rows beside it
@@ -407,3 +411,35 @@ def test_rows_without_adapters_are_untouched_and_refilled_slots_forget(tmp_path:
     assert torch.equal(stack.apply(base_out.clone(), x, LoraBatch.from_slots(slots)), base_out)
     with pytest.raises(ValueError, match="rank 12 is above"):
         stack.fill(0, {"o_proj": (torch.zeros(12, in_features), torch.zeros(out_features, 12), 1.0)})
+
+
+def test_an_adapted_row_is_computed_alike_whatever_shares_its_step() -> None:
+    """A row's LoRA term is bitwise the same alone, beside a few rows of other adapters and base
+    rows, and among many (the engine's shapes: every slot present, rows padded to MIN_ROWS); with
+    only the slots in use and no padding, the CPU's float32 matmul rounds small row counts apart."""
+    parts = [(m, projection_shape(CONFIG, m)[0]) for m in ("q_proj", "k_proj", "v_proj")]
+    in_features = CONFIG.hidden_size
+    stack = LoraStack(in_features, parts, num_slots=4, max_rank=8, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    for slot in range(4):
+        stack.fill(
+            slot,
+            {
+                name: (
+                    torch.randn(8, in_features, generator=generator),
+                    torch.randn(out, 8, generator=generator),
+                    0.5,
+                )
+                for name, out in parts
+            },
+        )
+    x = torch.randn(40, in_features, generator=generator)
+    base_out = torch.randn(40, stack.out_features, generator=generator)
+
+    def term(slots: list[int]) -> torch.Tensor:
+        batch = LoraBatch.from_sequences(slots, [1] * len(slots), num_slots=4)
+        return stack.apply(base_out[: len(slots)].clone(), x[: len(slots)], batch)
+
+    alone = term([1])[0]
+    for slots in ([1, NO_ADAPTER, 2], [1, 0, 3, NO_ADAPTER, 2, 2], [1, *[0, 2, 3, NO_ADAPTER] * 9, 0, 3, 2]):
+        assert torch.equal(term(slots)[0], alone), len(slots)

@@ -27,6 +27,12 @@ the stacks hold only finite weights (service.engine.lora refuses any other). The
 in the stacks' dtype (float32 on the CPU, where small bfloat16 matmuls are several times slower;
 the activation dtype on GPUs) and is added to the base output with one rounding: the adapted
 layer equals the merged weight W + scale * B @ A up to that rounding and float summation order.
+
+Batch invariance, as for the base model: a row's LoRA term must not depend on what else shares
+the step. So the engine passes every slot as present (the matmuls keep one shape whichever
+adapters a step holds; unused slots are zeros, selected away), and fewer than MIN_ROWS adapted
+rows are padded with zero rows: the CPU's float32 matmul rounds a row differently when it has
+fewer than 12 rows beside it (seen at 1-3, 5-7 and 9-11 rows, never from 12 up to 700).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 NO_ADAPTER = -1
+MIN_ROWS = 16  # adapted rows are padded to at least this many (see "Batch invariance" above)
 
 # (lora_A [r, in], lora_B [out, r], scale) of one checkpoint projection
 LoraPiece = tuple[Tensor, Tensor, float]
@@ -47,9 +54,10 @@ LoraPiece = tuple[Tensor, Tensor, float]
 class LoraBatch:
     """Which rows of a step's flat batch use which adapter slot."""
 
-    present: Tensor  # [k] int64: the slots in use, ascending
+    present: Tensor  # [k] int64: the slots in use (or every slot), ascending
     rows: Tensor | None  # [T'] int64: the adapted rows, ascending; None when every row is adapted
-    # [T', k, 1] bool: adapted row i uses present[j]. None when one slot is present.
+    # [max(T', MIN_ROWS), k, 1] bool: adapted row i uses present[j] (padding rows use none). None
+    # when one slot is present.
     own: Tensor | None
     segments: tuple[tuple[int, int], ...]  # (slot, rows using it), for logs and tests
 
@@ -60,10 +68,16 @@ class LoraBatch:
 
     @classmethod
     def from_sequences(
-        cls, slots: Sequence[int], lengths: Sequence[int], device: torch.device | None = None
+        cls,
+        slots: Sequence[int],
+        lengths: Sequence[int],
+        device: torch.device | None = None,
+        num_slots: int | None = None,
     ) -> LoraBatch:
-        """Sequence i covers the next lengths[i] rows of the flat batch and uses slots[i]."""
-        present = sorted({slot for slot in slots if slot != NO_ADAPTER})
+        """Sequence i covers the next lengths[i] rows of the flat batch and uses slots[i]. With
+        `num_slots`, every slot counts as present (the engine's batch-invariant shapes)."""
+        used = {slot for slot in slots if slot != NO_ADAPTER}
+        present = list(range(num_slots)) if num_slots is not None and used else sorted(used)
         position = {slot: j for j, slot in enumerate(present)}
         counts = dict.fromkeys(present, 0)
         rows: list[int] = []  # the adapted rows
@@ -77,13 +91,14 @@ class LoraBatch:
             first += length
         own = None
         if len(present) > 1:
-            index = torch.tensor(row_slots, dtype=torch.long)
+            padding = [-1] * (MIN_ROWS - len(row_slots))  # no slot: padding rows keep zeros
+            index = torch.tensor(row_slots + padding, dtype=torch.long)
             own = (index[:, None] == torch.arange(len(present))[None, :]).unsqueeze(-1).to(device)
         return cls(
             torch.tensor(present, dtype=torch.long, device=device),
             None if len(rows) == first else torch.tensor(rows, dtype=torch.long, device=device),
             own,
-            tuple((slot, counts[slot]) for slot in present),
+            tuple((slot, counts[slot]) for slot in present if counts[slot]),
         )
 
 
@@ -145,13 +160,16 @@ class LoraStack:
         whole = k == self.num_slots  # every slot in use: no gather of the weights
         a = self.a if whole else self.a.index_select(0, present)  # [k, P*R, in]
         adapted = x if rows is None else x.index_select(0, rows)  # [T', in]
+        num_rows = adapted.shape[0]
+        if num_rows < MIN_ROWS:  # a fixed minimum height: see "Batch invariance" above
+            adapted = torch.cat((adapted, adapted.new_zeros(MIN_ROWS - num_rows, adapted.shape[1])))
         shrunk = (adapted.to(a.dtype) @ a.view(k * num_parts * rank, -1).T).view(-1, k, num_parts * rank)
         if batch.own is not None:  # each row keeps its own slot's block: selected, not masked by 0 * x
             shrunk = torch.where(batch.own, shrunk, 0.0)
         parts = shrunk.view(-1, k, num_parts, rank)
         for index, (first, last) in enumerate(self.columns):
             bt = self.bt[index] if whole else self.bt[index].index_select(0, present)  # [k, R, out_p]
-            delta = parts[:, :, index, :].reshape(-1, k * rank) @ bt.view(k * rank, -1)  # [T', out_p]
+            delta = (parts[:, :, index, :].reshape(-1, k * rank) @ bt.view(k * rank, -1))[:num_rows]
             columns = out[:, first:last]
             if rows is None:
                 columns.add_(delta)  # in the stacks' dtype, rounded once into out's dtype

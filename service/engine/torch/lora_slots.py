@@ -93,5 +93,5 @@ class LoraSlots:
         if all(slot == NO_ADAPTER for slot in slots):
             self.context.batch = None
             return False
-        self.context.batch = LoraBatch.from_sequences(slots, lengths, device)
+        self.context.batch = LoraBatch.from_sequences(slots, lengths, device, self.num_slots)
         return True
