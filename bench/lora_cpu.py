@@ -38,25 +38,32 @@ from service.serving import config_for  # noqa: E402
 ADAPTERS = ("a0", "a1", "a2", "a3")
 
 
-def write_adapters(root: Path, rank: int) -> None:
+def write_random_adapter(directory: Path, rank: int, seed: int, nan: bool = False) -> None:
+    """A random adapter for the embedded model (rank `rank` on all seven projections of every
+    layer, PEFT layout, bfloat16); with `nan`, one weight is NaN (an adapter the server refuses)."""
     config, _ = read_weights(config_for(load_settings()))  # the embedded model's shape
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in TARGETS:
+            out_features, in_features = projection_shape(config, module)
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            a = torch.randn(rank, in_features, generator=generator) * 0.01
+            b = torch.randn(out_features, rank, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
+    if nan:
+        tensors[next(iter(tensors))][0, 0] = float("nan")
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+
+
+def write_adapters(root: Path, rank: int) -> None:
     for seed, name in enumerate(ADAPTERS):
-        directory = root / name
-        directory.mkdir(parents=True, exist_ok=True)
-        generator = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for layer in range(config.num_layers):
-            for module in TARGETS:
-                out_features, in_features = projection_shape(config, module)
-                block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-                a = torch.randn(rank, in_features, generator=generator) * 0.01
-                b = torch.randn(out_features, rank, generator=generator) * 0.01
-                tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
-                tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
-        save_file(tensors, str(directory / "adapter_model.safetensors"))
-        settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
-        (directory / "adapter_config.json").write_text(json.dumps(settings))
+        write_random_adapter(root / name, rank, seed)
 
 
 def serve(source: Path, port: int, log: Path, threads: int, rank: int) -> subprocess.Popen:

@@ -31,19 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import http_load
+import lora_cpu
 import nim_server
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from service.config import load_settings  # noqa: E402
-from service.engine.lora import TARGETS, projection_shape  # noqa: E402
-from service.engine.torch.loading import read_weights  # noqa: E402
-from service.serving import config_for  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -53,28 +45,6 @@ QUESTIONS = [
     "Say something kind.", "What is a river?", "Name a tool.",
 ]  # fmt: skip
 UNSATISFIABLE = {"guided_regex": "a[^\\s\\S]"}
-
-
-def write_adapter(directory: Path, rank: int, seed: int, poison: bool) -> None:
-    config, _ = read_weights(config_for(load_settings()))  # the embedded model's shape
-    directory.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module in TARGETS:
-            out_features, in_features = projection_shape(config, module)
-            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.01
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
-    if poison:
-        first = next(iter(tensors))
-        tensors[first][0, 0] = float("nan")
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(directory / "adapter_model.safetensors")
-    )
-    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
-    (directory / "adapter_config.json").write_text(json.dumps(settings))
 
 
 @dataclass(frozen=True)
@@ -235,8 +205,8 @@ def main() -> None:
     args = parser.parse_args()
 
     source = args.workdir / "adapters"
-    write_adapter(source / "good", rank=8, seed=1, poison=False)
-    write_adapter(source / "poisoned", rank=8, seed=2, poison=True)
+    lora_cpu.write_random_adapter(source / "good", rank=8, seed=1)
+    lora_cpu.write_random_adapter(source / "poisoned", rank=8, seed=2, nan=True)
     log = args.workdir / "server.log"
     env = {
         "NIM_PEFT_SOURCE": str(source),
