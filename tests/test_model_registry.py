@@ -55,6 +55,8 @@ def test_every_supported_architecture_maps_to_a_model_class() -> None:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
     }
     assert list(SUPPORTED_HF_ARCHITECTURES) == list(registry.ARCHITECTURES)  # ModelConfig reads it
     assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3")
@@ -85,7 +87,7 @@ def test_an_unknown_architecture_is_refused_in_one_line() -> None:
     assert "\n" not in message
     assert message == (
         "architecture Gemma3ForCausalLM is not supported; supported: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"
     )
     with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported; supported: LlamaForCausalLM"):
         registry.model_class("gemma3")

@@ -23,8 +23,22 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3
 
 # HF config classes' own defaults for keys a config.json may omit.
 _DEFAULT_THETA = 10_000.0
-_DEFAULT_RMS_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_RMS_NORM_EPS = {
+    "llama": 1e-6,
+    "mistral": 1e-6,
+    "qwen2": 1e-6,
+    "qwen3": 1e-6,
+    "qwen3_moe": 1e-6,
+    "mixtral": 1e-5,
+}
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048,
+    "mistral": 4096 * 32,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "qwen3_moe": 32768,
+    "mixtral": 4096 * 32,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -33,7 +47,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -60,6 +74,15 @@ class ModelConfig:
     # Per-frequency divisors of the plain inverse frequencies, as llama.cpp stores llama3 scaling
     # (the GGUF ``rope_freqs`` tensor); None when absent. Applied on top of rope_scaling.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Mixture of experts (0 experts: every layer's MLP is dense). The layers in `sparse_layers` run
+    # a routed block of `num_experts` SiLU-gated MLPs of `moe_intermediate_size` instead, each token
+    # through the `num_experts_per_tok` best by softmax of the router's logits, weighted by those
+    # probabilities (renormalised to sum to 1 when `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -103,9 +126,9 @@ class ModelConfig:
 
         if architecture == "qwen2":
             attention_bias, attention_output_bias, mlp_bias = True, False, False
-        elif architecture == "mistral":
+        elif architecture in ("mistral", "mixtral"):
             attention_bias, attention_output_bias, mlp_bias = False, False, False
-        elif architecture == "qwen3":
+        elif architecture in ("qwen3", "qwen3_moe"):
             attention_bias = attention_output_bias = bool(cfg.get("attention_bias", False))
             mlp_bias = False
         else:  # llama
@@ -135,13 +158,14 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=architecture == "qwen3",
+            qk_norm=architecture in ("qwen3", "qwen3_moe"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_token_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=sliding_window,
             attention_output_bias=attention_output_bias,
             mlp_bias=mlp_bias,
+            **_hf_experts(cfg, architecture),
         )
 
     @classmethod
@@ -237,6 +261,35 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
     raise UnsupportedModelError(registry.unsupported(described))
 
 
+def _hf_experts(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config (HF config classes' defaults
+    for keys it omits); none for a dense family."""
+    layers = int(cfg["num_hidden_layers"])
+    if architecture == "mixtral":
+        num_experts = int(cfg.get("num_local_experts", 8))
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+            "sparse_layers": tuple(range(layers)),
+        }
+    if architecture != "qwen3_moe":
+        return {}
+    # Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th.
+    num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return {
+        "num_experts": num_experts if sparse else 0,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 768)),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "sparse_layers": sparse,
+    }
+
+
 def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers 5's ``rope_parameters`` or 4.x's
     ``rope_theta`` and ``rope_scaling``."""
@@ -271,7 +324,7 @@ def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, 
 
 
 def _hf_sliding_window(cfg: dict[str, Any], architecture: str, max_positions: int) -> int | None:
-    if architecture in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         return None
     if architecture == "llama":
         return None

@@ -375,7 +375,8 @@ class LlamaForCausalLM(nn.Module):
         inputs = {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
         linears = []
         for index, layer in enumerate(self.model.decoder_layers()):
-            for role, (block, module_name, parts) in _LINEAR_ROLES.items():
+            for role in self._linear_roles(index):
+                block, module_name, parts = _LINEAR_ROLES[role]
                 prefix = f"model.layers.{index}.{block}"
                 linears.append(
                     LinearLayer(
@@ -388,7 +389,14 @@ class LlamaForCausalLM(nn.Module):
                 )
         return linears
 
+    def _linear_roles(self, layer: int) -> tuple[str, ...]:
+        """The roles of decoder layer `layer`'s linear layers, in forward order (a subclass whose
+        layers differ, e.g. routed experts in place of the MLP, names fewer)."""
+        return tuple(_LINEAR_ROLES)
+
     def set_linear(self, layer: int, role: str, module: nn.Module) -> None:
+        if role not in self._linear_roles(layer):
+            raise ValueError(f"decoder layer {layer} has no {role!r} linear layer")
         block, module_name, _ = _LINEAR_ROLES[role]
         setattr(getattr(self.model.decoder_layers()[layer], block), module_name, module)
 

@@ -29,12 +29,15 @@ class ModelEntry:
 
 
 _LLAMA = "service.engine.models.llama"
+_MOE = "service.engine.models.moe"
 
 ARCHITECTURES: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("llama", _LLAMA, "LlamaForCausalLM", gguf="llama"),
     "MistralForCausalLM": ModelEntry("mistral", _LLAMA, "LlamaForCausalLM"),  # GGUF writes it as llama
     "Qwen2ForCausalLM": ModelEntry("qwen2", _LLAMA, "LlamaForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", _LLAMA, "LlamaForCausalLM", gguf="qwen3"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", _MOE, "MoeForCausalLM"),
+    "MixtralForCausalLM": ModelEntry("mixtral", _MOE, "MoeForCausalLM"),
 }
 
 # HF architectures name -> family

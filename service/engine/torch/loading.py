@@ -134,6 +134,31 @@ def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str,
     return load_hf_dir(config.model_path, config.precision)
 
 
+def check_experts(config: EngineConfig) -> None:
+    """Mixture-of-experts models run float weights on one rank without LoRA for now: refuse any
+    other setting in one line, before anything loads (a dense model passes)."""
+    if config.model_format != "hf_dir":
+        return  # GGUF: ModelConfig.from_gguf refuses the MoE architectures (none is registered)
+    try:
+        model_config, _ = read_weights(config)  # the weights are not read
+    except (QuantizationError, UnsupportedModelError) as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
+    if model_config.num_experts == 0:
+        return
+    setting = None
+    if config.precision not in FLOAT_PRECISIONS:
+        setting = f"precision {config.precision}"
+    elif config.tensor_parallel_size > 1:
+        setting = f"tensor parallelism (NIM_TENSOR_PARALLEL_SIZE={config.tensor_parallel_size})"
+    elif config.lora is not None:
+        setting = "LoRA adapters"
+    if setting is not None:
+        raise UnsupportedConfigError(
+            f"profile {config.profile_name}: {model_config.architecture} is a mixture-of-experts model; "
+            f"{setting} is not supported for it yet: choose a float, one-GPU profile without LoRA"
+        )
+
+
 def check_tensor_parallel(config: EngineConfig) -> None:
     """Refuse a tensor-parallel size the model does not divide into, before any rank starts."""
     try:
@@ -230,6 +255,7 @@ def build_engine(
     device, dtype = resolve_device(config)
     check_lora(config)
     check_guided(config)
+    check_experts(config)
     size = config.tensor_parallel_size
     threads = config.num_threads or available_cpu_count()
     if device.type == "cpu":

@@ -1,0 +1,181 @@
+"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral.
+
+Both are the Llama-family decoder (llama.py's attention, RMSNorm, RoPE and decoder layer) with a
+routed block in place of the MLP in their sparse layers (`ModelConfig.sparse_layers`; Qwen3-MoE may
+keep some dense). The block follows transformers' routing operation for operation: router logits
+in the activation dtype, softmax over experts in float32, top-k, the k weights renormalised when
+`norm_topk_prob` (Mixtral always), then cast back to the activation dtype; each token's output is
+the weighted sum of its k experts' SiLU(gate) * up -> down.
+
+Experts are held stacked as transformers 5 holds them (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]); `load_weights` also takes the per-expert checkpoint names
+(``mlp.experts.E.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``) and stacks
+them layer by layer.
+
+For now these models run float weights on one rank without LoRA (the engine refuses the rest at
+start), and the scripted CPU decode runs them eagerly (`llama_stack` is None).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.engine.models.base import CausalLM
+from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from service.engine.models.tensor_parallel import Collectives, TPLayout
+
+# One expert's projection in a per-expert checkpoint: (layer prefix, expert, projection).
+_EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+
+
+class Experts(nn.Module):
+    """`num_experts` SiLU-gated MLPs, stacked: gate_up_proj [E, 2I, H] (rows: gate | up) and
+    down_proj [E, H, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """x: [N, H] rows each routed to one expert, expert_ids: [N] -> each row's expert output [N, H].
+
+        Rows are grouped by expert (a stable sort), and each expert runs one matmul over its
+        contiguous slice. Under CUDA graph capture, where slice sizes cannot be read back, each
+        row instead multiplies by its own gathered expert weights (one batched matmul).
+        """
+        inter = self.intermediate_size
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            gate_up = torch.bmm(self.gate_up_proj[expert_ids], x.unsqueeze(-1)).squeeze(-1)  # [N, 2I]
+            activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            return torch.bmm(self.down_proj[expert_ids], activated.unsqueeze(-1)).squeeze(-1)
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        grouped = x[order]
+        out = torch.empty_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = grouped[start : start + count]
+            gate_up = F.linear(rows, self.gate_up_proj[expert])  # [n, 2I]
+            activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out[order[start : start + count]] = F.linear(activated, self.down_proj[expert])
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``) and experts, in place of a decoder layer's MLP."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, H]
+        logits = self.gate.forward(x)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        tokens = x.shape[0]
+        # Each (token, choice) pair is one row: row r belongs to token r // k.
+        expanded = x.repeat_interleave(self.top_k, dim=0)  # [T*k, H]
+        outputs = self.experts.forward(expanded, expert_ids.reshape(-1))  # [T*k, H]
+        weighted = outputs * weights.reshape(-1, 1)
+        return weighted.view(tokens, self.top_k, -1).sum(dim=1)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder whose sparse layers' ``mlp`` is a `SparseMoeBlock`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.num_experts == 0 or not config.sparse_layers:
+            raise UnsupportedModelError(f"{config.architecture}: a config with no experts in any layer")
+        super().__init__(config)
+        for index in config.sparse_layers:
+            # setattr: LlamaDecoderLayer types its mlp as the dense one.
+            setattr(self.model.decoder_layers()[index], "mlp", SparseMoeBlock(config))  # noqa: B010
+
+    def _linear_roles(self, layer: int) -> tuple[str, ...]:
+        """Attention's linears in every layer; gate_up and down only in the dense layers (the
+        router and the experts are no `CausalLM.linear_layers` role)."""
+        return ("qkv", "o") if layer in self.config.sparse_layers else super()._linear_roles(layer)
+
+    def llama_stack(self) -> None:  # type: ignore[override]
+        """None: the routed layers are not the Llama shape the scripted CPU decode runs."""
+        return None
+
+    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None:
+        raise UnsupportedModelError(
+            f"{self.config.architecture} (mixture of experts) does not run tensor-parallel yet"
+        )
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]], device: torch.device | None = None
+    ) -> None:
+        """LlamaForCausalLM.load_weights (strict), with per-expert tensors stacked per layer first."""
+        super().load_weights(self._stacked(weights), device)
+
+    def _stacked(
+        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]]
+    ) -> Iterator[tuple[str, Tensor | QuantizedWeight]]:
+        """`weights` with Mixtral's ``block_sparse_moe`` read as ``mlp`` and each layer's per-expert
+        projections yielded as its two stacked tensors once all have arrived (the rest as given)."""
+        experts = self.config.num_experts
+        pending: dict[str, dict[tuple[str, int], Tensor]] = {}  # layer prefix -> (projection, expert)
+        for name, tensor in weights:
+            match = _EXPERT_WEIGHT.fullmatch(name)
+            if match is None:
+                yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+                continue
+            prefix, expert, projection = match.group(1), int(match.group(2)), _PROJECTIONS.get(match.group(3))
+            if projection is None or expert >= experts:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
+            if not isinstance(tensor, Tensor):
+                raise UnsupportedModelError(f"{name}: quantized experts are not supported yet")
+            layer = pending.setdefault(prefix, {})
+            if (projection, expert) in layer:
+                raise ValueError(f"checkpoint tensor {name!r} appears more than once")
+            layer[(projection, expert)] = tensor
+            if len(layer) < 3 * experts:
+                continue
+            del pending[prefix]
+            yield (
+                f"{prefix}.mlp.experts.gate_up_proj",
+                torch.stack([torch.cat([layer[("gate", e)], layer[("up", e)]]) for e in range(experts)]),
+            )
+            yield f"{prefix}.mlp.experts.down_proj", torch.stack([layer[("down", e)] for e in range(experts)])
+        if pending:
+            prefix, layer = next(iter(pending.items()))
+            raise ValueError(f"checkpoint has {len(layer)} of the {3 * experts} expert weights of {prefix}")
+
+
+if TYPE_CHECKING:
+    _IMPLEMENTS: type[CausalLM] = MoeForCausalLM  # mypy holds the class to the protocol

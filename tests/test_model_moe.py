@@ -1,0 +1,162 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers' own.
+
+Tiny random float32 checkpoints written by transformers (per-expert tensor names, as
+save_pretrained writes them) are loaded through the engine's loader; logits of a few prompts match
+transformers' to 1e-4 and ten greedy tokens are equal. The real server serves the Qwen3-MoE one and
+answers with transformers' greedy tokens; settings MoE models do not run yet (a quantized precision,
+tensor parallelism) stop the start with one line naming the model and the setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+import tokenizers
+import torch
+import transformers
+
+from service.engine.models.attention import CausalAttention
+from service.engine.models.loader import build_model, load_hf_dir
+from service.engine.models.moe import MoeForCausalLM
+from tests.conftest import start_server
+from tests.test_quantization import serving
+from tests.test_tensor_parallel import randomize
+from tests.test_tensor_parallel_serving import _distinct_tokens
+
+PROMPTS = ([5, 17, 200, 3, 99, 42, 7], [1], list(range(30, 60)))
+STEPS = 10
+FP32 = "torch-generic-fp32-tp1-pp1-throughput"
+_COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "num_experts_per_tok": 2,
+}
+
+
+def _hf_model(family: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        # Layer 1 dense (mlp_only_layers): a dense MLP between routed ones.
+        config = transformers.Qwen3MoeConfig(
+            **_COMMON,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(**_COMMON, intermediate_size=48, num_local_experts=4)
+        model = transformers.MixtralForCausalLM(config)
+    randomize(model)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
+    _hf_model(request.param).save_pretrained(directory)
+    _distinct_tokens(directory)
+    return directory
+
+
+def _hf_greedy(directory: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def test_logits_and_greedy_tokens_match_transformers(checkpoint: Path) -> None:
+    config, weights = load_hf_dir(checkpoint, "fp32")
+    model = build_model(config, weights, torch.float32, "cpu")
+    assert isinstance(model, MoeForCausalLM)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor(prompt)
+            ours = model.compute_logits(model(ids, torch.arange(len(prompt)), CausalAttention()))
+            theirs = reference(ids[None]).logits[0].float()
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+            sequence = list(prompt)
+            for _ in range(STEPS):
+                ids = torch.tensor(sequence)
+                logits = model.compute_logits(model(ids, torch.arange(len(sequence)), CausalAttention()))
+                sequence.append(int(logits[-1].argmax()))
+            assert sequence[len(prompt) :] == _hf_greedy(checkpoint, prompt)
+
+
+def test_routed_layers_name_only_their_attention_linears(checkpoint: Path) -> None:
+    config, weights = load_hf_dir(checkpoint, "fp32")
+    model = build_model(config, weights, torch.float32, "cpu")
+    roles = [(linear.layer, linear.role) for linear in model.linear_layers()]
+    dense = [i for i in range(config.num_layers) if i not in config.sparse_layers]
+    assert dense == ([1] if config.architecture == "qwen3_moe" else [])
+    expected = [
+        (i, role)
+        for i in range(config.num_layers)
+        for role in (("qkv", "o") if i in config.sparse_layers else ("qkv", "o", "gate_up", "down"))
+    ]
+    assert roles == expected
+    assert model.llama_stack() is None  # the scripted CPU decode runs it eagerly
+
+
+def test_the_server_answers_with_transformers_greedy_tokens(checkpoint: Path, tmp_path: Path) -> None:
+    if "qwen3_moe" not in checkpoint.name:
+        pytest.skip("one family through the server is enough")
+    prompt = "Once upon a time"
+    tokenizer = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    vocab = tokenizer.get_vocab()
+    prompt_ids = tokenizer.encode(prompt).ids
+    env = {"NIM_MODEL_PROFILE": FP32, "NIM_MODEL_NAME": str(checkpoint)}
+    with serving(tmp_path / "server.log", env) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=STEPS,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+        log = server.log()
+    tokens = out.choices[0].logprobs.tokens if out.choices[0].logprobs is not None else None
+    assert tokens is not None
+    assert [vocab[t] for t in tokens] == _hf_greedy(checkpoint, prompt_ids)
+    assert "qwen3_moe" in log
+
+
+@pytest.mark.parametrize(
+    ("env", "setting"),
+    [
+        ({"NIM_MODEL_PROFILE": "torch-generic-int8_wo-tp1-pp1-throughput"}, "precision int8_wo"),
+        (
+            {"NIM_MODEL_PROFILE": "torch-generic-fp32-tp2-pp1-throughput", "NIM_TENSOR_PARALLEL_SIZE": "2"},
+            "tensor parallelism (NIM_TENSOR_PARALLEL_SIZE=2)",
+        ),
+    ],
+)
+def test_unsupported_settings_stop_the_start_in_one_line(
+    checkpoint: Path, tmp_path: Path, env: dict[str, str], setting: str
+) -> None:
+    if "qwen3_moe" not in checkpoint.name:
+        pytest.skip("the refusal does not depend on the family")
+    server = start_server(tmp_path / "server.log", env={**env, "NIM_MODEL_NAME": str(checkpoint)})
+    try:
+        assert server.process.wait(timeout=120) != 0
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+    log = server.log()
+    line = f"qwen3_moe is a mixture-of-experts model; {setting} is not supported for it yet"
+    assert line in log, log
