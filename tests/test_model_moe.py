@@ -18,8 +18,9 @@ import torch
 import transformers
 
 from service.engine.models.attention import CausalAttention
+from service.engine.models.config import ModelConfig
 from service.engine.models.loader import build_model, load_hf_dir
-from service.engine.models.moe import MoeForCausalLM
+from service.engine.models.moe import Experts, MoeForCausalLM
 from tests.conftest import start_server
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import randomize
@@ -96,6 +97,30 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint: Path) -> None:
             assert sequence[len(prompt) :] == _hf_greedy(checkpoint, prompt)
 
 
+def test_stacked_expert_tensors_load_as_per_expert_ones(checkpoint: Path) -> None:
+    """transformers 5 holds experts stacked (mlp.experts.gate_up_proj [E, 2I, H]); those names load too."""
+    config, weights = load_hf_dir(checkpoint, "fp32")
+    per_expert = build_model(config, weights, torch.float32, "cpu")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in reference.state_dict())
+    stacked = build_model(config, reference.state_dict().items(), torch.float32, "cpu")
+    for name, tensor in per_expert.state_dict().items():
+        assert torch.equal(tensor, stacked.state_dict()[name]), name
+
+
+def test_gathered_experts_equal_grouped_ones() -> None:
+    """The graph-capturable path (each row times its gathered expert) computes the grouped one."""
+    config = ModelConfig.from_hf_config({**_hf_model("qwen3_moe").config.to_dict()})
+    experts = Experts(config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+        x = torch.randn(12, config.hidden_size)
+        ids = torch.tensor([0, 3, 3, 7, 1, 0, 5, 5, 5, 2, 7, 0])
+        torch.testing.assert_close(experts.gathered(x, ids), experts.grouped(x, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_routed_layers_name_only_their_attention_linears(checkpoint: Path) -> None:
     config, weights = load_hf_dir(checkpoint, "fp32")
     model = build_model(config, weights, torch.float32, "cpu")
@@ -134,6 +159,7 @@ def test_the_server_answers_with_transformers_greedy_tokens(checkpoint: Path, tm
     assert tokens is not None
     assert [vocab[t] for t in tokens] == _hf_greedy(checkpoint, prompt_ids)
     assert "qwen3_moe" in log
+    assert "CPU decode steps run eagerly: the model's layers are not the Llama shape" in log
 
 
 @pytest.mark.parametrize(

@@ -60,15 +60,16 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor) -> Tensor:
         """x: [N, H] rows each routed to one expert, expert_ids: [N] -> each row's expert output [N, H].
 
-        Rows are grouped by expert (a stable sort), and each expert runs one matmul over its
-        contiguous slice. Under CUDA graph capture, where slice sizes cannot be read back, each
-        row instead multiplies by its own gathered expert weights (one batched matmul).
+        Grouped where slice sizes can be read back; gathered under CUDA graph capture, where
+        they cannot (a capture must not synchronise with the host).
         """
-        inter = self.intermediate_size
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            gate_up = torch.bmm(self.gate_up_proj[expert_ids], x.unsqueeze(-1)).squeeze(-1)  # [N, 2I]
-            activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            return torch.bmm(self.down_proj[expert_ids], activated.unsqueeze(-1)).squeeze(-1)
+            return self.gathered(x, expert_ids)
+        return self.grouped(x, expert_ids)
+
+    def grouped(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """Rows grouped by expert (a stable sort), one matmul per expert over its contiguous slice."""
+        inter = self.intermediate_size
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         grouped = x[order]
@@ -83,6 +84,14 @@ class Experts(nn.Module):
             out[order[start : start + count]] = F.linear(activated, self.down_proj[expert])
             start += count
         return out
+
+    def gathered(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """Each row times its own expert's weights, gathered: one batched matmul each way, no
+        host sync, but N copies of an expert's weights (meant for decode-sized N)."""
+        inter = self.intermediate_size
+        gate_up = torch.bmm(self.gate_up_proj[expert_ids], x.unsqueeze(-1)).squeeze(-1)  # [N, 2I]
+        activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return torch.bmm(self.down_proj[expert_ids], activated.unsqueeze(-1)).squeeze(-1)
 
 
 class SparseMoeBlock(nn.Module):
