@@ -156,14 +156,17 @@ def _architecture(config: ModelConfig) -> Architecture:
 
 
 def _estimate_weights_bytes(config: ModelConfig) -> int:
-    """bf16 bytes from the shapes (embedding, attention, MLP, untied head) when no file sizes are known."""
+    """bf16 bytes from the shapes (embedding, attention, MLP or router and experts, untied head)
+    when no file sizes are known."""
     hidden, inter = config.hidden_size, config.intermediate_size
     attn = (
         hidden * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         + config.num_heads * config.head_dim * hidden
     )
     params = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    params += config.num_layers * (attn + 3 * hidden * inter)
+    sparse = len(config.sparse_layers)
+    experts = config.num_experts * (3 * hidden * config.moe_intermediate_size + hidden)  # + router rows
+    params += config.num_layers * attn + (config.num_layers - sparse) * 3 * hidden * inter + sparse * experts
     return params * 2
 
 

@@ -188,3 +188,14 @@ def test_unsupported_settings_stop_the_start_in_one_line(
     log = server.log()
     line = f"qwen3_moe is a mixture-of-experts model; {setting} is not supported for it yet"
     assert line in log, log
+
+
+def test_a_hub_checkpoint_is_sized_with_its_experts() -> None:
+    """Generic profiles for a hub id size weights from the config: every expert counts."""
+    from service.planning import _estimate_weights_bytes
+
+    config = ModelConfig.from_hf_config(_hf_model("qwen3_moe").config.to_dict())
+    hidden, attention = 64, 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64
+    dense_mlp, routed = 3 * hidden * 96, 8 * (3 * hidden * 32 + hidden)
+    expected = 256 * hidden * 2 + 3 * attention + dense_mlp + 2 * routed
+    assert _estimate_weights_bytes(config) == 2 * expected
