@@ -61,12 +61,22 @@ def _hf_model(family: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
-    _hf_model(request.param).save_pretrained(directory)
+def _write(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(family) / f"tiny-{family}"
+    _hf_model(family).save_pretrained(directory)
     _distinct_tokens(directory)
     return directory
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One family through the server is enough: serving and its refusals do not depend on it."""
+    return _write("qwen3_moe", tmp_path_factory)
 
 
 def _hf_greedy(directory: Path, prompt: list[int], steps: int = STEPS) -> list[int]:
@@ -136,9 +146,8 @@ def test_routed_layers_name_only_their_attention_linears(checkpoint: Path) -> No
     assert model.llama_stack() is None  # the scripted CPU decode runs it eagerly
 
 
-def test_the_server_answers_with_transformers_greedy_tokens(checkpoint: Path, tmp_path: Path) -> None:
-    if "qwen3_moe" not in checkpoint.name:
-        pytest.skip("one family through the server is enough")
+def test_the_server_answers_with_transformers_greedy_tokens(qwen3_moe: Path, tmp_path: Path) -> None:
+    checkpoint = qwen3_moe
     prompt = "Once upon a time"
     tokenizer = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     vocab = tokenizer.get_vocab()
@@ -174,10 +183,9 @@ def test_the_server_answers_with_transformers_greedy_tokens(checkpoint: Path, tm
     ],
 )
 def test_unsupported_settings_stop_the_start_in_one_line(
-    checkpoint: Path, tmp_path: Path, env: dict[str, str], setting: str
+    qwen3_moe: Path, tmp_path: Path, env: dict[str, str], setting: str
 ) -> None:
-    if "qwen3_moe" not in checkpoint.name:
-        pytest.skip("the refusal does not depend on the family")
+    checkpoint = qwen3_moe
     env = {name: value.format(tmp=tmp_path) for name, value in env.items()}
     server = start_server(tmp_path / "server.log", env={**env, "NIM_MODEL_NAME": str(checkpoint)})
     try:
