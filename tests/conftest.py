@@ -91,6 +91,15 @@ def start_server(
     return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def wait_ready(
     server: ServerProcess, timeout: float = READY_TIMEOUT_S, client: httpx.Client | None = None
 ) -> None:

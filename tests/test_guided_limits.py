@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, ServerProcess, process_alive, start_server, wait_ready
 
 TIMEOUT_S = 6  # the limited server's NIM_GUIDED_COMPILE_TIMEOUT_SECONDS
 PLAIN = {"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -95,14 +95,6 @@ def _workers_of(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize(
     "extra",
     [
@@ -160,7 +152,7 @@ def test_a_client_that_leaves_stops_its_compile(limited: ServerProcess) -> None:
         )
         time.sleep(0.1)
     assert killed is not None, limited.log()[-3000:]
-    assert not _alive(int(killed.group(1)))  # killed and reaped: no zombie
+    assert not process_alive(int(killed.group(1)))  # killed and reaped: no zombie
     with httpx.Client(base_url=limited.base_url, timeout=60) as client:
         assert _plain_chat_seconds(client) < 5
         # the slot it held is free: another constraint compiles at once
@@ -196,11 +188,11 @@ def test_a_stop_signal_does_not_wait_for_a_compile(tmp_path: Path) -> None:
         assert time.monotonic() - started < 15
         assert code == 0, server.log()[-3000:]
         deadline = time.monotonic() + 3
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in workers), "compile workers outlived the server"
+        assert not any(process_alive(pid) for pid in workers), "compile workers outlived the server"
     finally:
         server.stop()
         for pid in workers:  # never leave one behind, even on failure
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -16,13 +16,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from service.engine.config import GuidedLimits
 from service.engine.protocol import GuidedDecoding
 from service.engine.torch.guided import GrammarCompiler, GrammarError, _GrammarCache
+from tests.conftest import process_alive
 
 pytest.importorskip("xgrammar")
 
@@ -45,14 +45,6 @@ def compiler(embedded_tokenizer) -> Iterator[GrammarCompiler]:
     grammars.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 async def _compiling(compiler: GrammarCompiler, guided: GuidedDecoding) -> tuple[asyncio.Task[None], int]:
     """`guided` being compiled by a ready worker: the task and the worker's pid."""
     await compiler.prepare(GuidedDecoding("regex", f"[a-c]{{{time.monotonic_ns() % 1000}}}"))  # ready
@@ -73,9 +65,9 @@ def test_a_cancelled_compile_kills_its_worker_and_leaves_nothing_behind(compiler
             with pytest.raises(asyncio.CancelledError):
                 await task
             deadline = time.monotonic() + 5
-            while (_alive(pid) or compiler.worker_pids in ([], [pid])) and time.monotonic() < deadline:
+            while (process_alive(pid) or compiler.worker_pids in ([], [pid])) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert not _alive(pid), "the cancelled compile's worker still runs"
+            assert not process_alive(pid), "the cancelled compile's worker still runs"
             assert compiler.worker_pids and compiler.worker_pids != [pid], "no replacement started"
         await compiler.prepare(GuidedDecoding("regex", "[a-z]+"))  # the replacement compiles
         assert len(os.listdir("/proc/self/fd")) == descriptors
@@ -92,7 +84,7 @@ def test_a_worker_dying_mid_compile_refuses_that_spec_and_the_next_compiles(
         with pytest.raises(GrammarError, match="the grammar compiler failed on this JSON schema"):
             await asyncio.wait_for(task, 10)
         await asyncio.wait_for(compiler.prepare(GuidedDecoding("regex", "[k-m]+")), 60)
-        assert not _alive(pid)
+        assert not process_alive(pid)
 
     asyncio.run(scenario())
 
@@ -108,7 +100,7 @@ def test_a_wait_for_a_slot_ends_when_cancelled(compiler: GrammarCompiler) -> Non
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert time.monotonic() - started < 1
-        assert not holder.done() and _alive(pid)  # the compile holding the slot goes on
+        assert not holder.done() and process_alive(pid)  # the compile holding the slot goes on
         holder.cancel()
         with pytest.raises(asyncio.CancelledError):
             await holder

@@ -33,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, ServerProcess, process_alive, start_server, wait_ready
 from tests.test_quantization import CAPITAL, serving
 from tests.test_tensor_parallel import _checkpoint
 
@@ -161,16 +161,6 @@ def _ranks(log: str) -> list[int]:
     return [int(pid) for pid in found.group(1).split(", ")]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ")[-1].split()[0] != "Z"
-
-
 @contextlib.contextmanager
 def _ranked_server(log: Path, env: dict[str, str]) -> Iterator[tuple[ServerProcess, list[int]]]:
     """A ready tensor-parallel server and its worker ranks' pids; afterwards the server is stopped
@@ -184,7 +174,7 @@ def _ranked_server(log: Path, env: dict[str, str]) -> Iterator[tuple[ServerProce
     finally:
         server.stop()
         for pid in ranks:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -222,15 +212,15 @@ def _fail_mid_stream(server: ServerProcess, pid: int, sig: signal.Signals) -> di
 
 def _all_gone(pids: list[int], within: float = 15) -> bool:
     deadline = time.monotonic() + within
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not any(_alive(pid) for pid in pids)
+    return not any(process_alive(pid) for pid in pids)
 
 
 def test_a_killed_rank_ends_streams_with_an_error_and_the_process(checkpoint: Path, tmp_path: Path) -> None:
     env = {"NIM_MODEL_NAME": str(checkpoint), **_profile("bf16", 4)}
     with _ranked_server(tmp_path / "tp4.log", env) as (server, ranks):
-        assert len(ranks) == 3 and all(_alive(pid) for pid in ranks)
+        assert len(ranks) == 3 and all(process_alive(pid) for pid in ranks)
         victim = ranks[1]  # rank 2
         error = _fail_mid_stream(server, victim, signal.SIGKILL)
         assert "tensor-parallel rank 2" in error["message"], error
