@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -75,8 +75,8 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
     """logits: [B, V] float32 (modified in place) -> one token per row (or the row's error)."""
     if all(row.plain_greedy for row in rows):  # the common case: one argmax, one copy to the host
-        values, chosen = greedy(logits)
-        return _checked([SampledToken(t) for t in chosen.tolist()], values)
+        ids = _to_host(*greedy(logits))
+        return [SampledToken(t) if t != NAN_ROW else SampledToken(0, error=NOT_A_NUMBER) for t in ids]
     raw_logprobs = _raw_logprobs(logits, rows)
     errors: dict[int, str] = {}
     for i, row in enumerate(rows):
@@ -96,30 +96,30 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledTok
         except (RuntimeError, ValueError, IndexError) as exc:
             errors[i] = f"sampling failed: {one_line(exc)}"
     tokens = []
-    for i, token_id in enumerate(chosen.tolist()):
-        if i in errors:
+    for i, token_id in enumerate(_to_host(values, chosen)):
+        if token_id == NAN_ROW:
+            tokens.append(SampledToken(0, error=errors.get(i, NOT_A_NUMBER)))
+        elif i in errors:
             tokens.append(SampledToken(token_id, error=errors[i]))
-            continue
-        try:
-            logprob = _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs)
-            tokens.append(SampledToken(token_id, logprob))
-        except (RuntimeError, ValueError, IndexError) as exc:
-            tokens.append(SampledToken(token_id, error=f"logprobs failed: {one_line(exc)}"))
-    return _checked(tokens, values)
+        else:
+            try:
+                logprob = _logprob_of(raw_logprobs, i, token_id, rows[i].params.logprobs)
+                tokens.append(SampledToken(token_id, logprob))
+            except (RuntimeError, ValueError, IndexError) as exc:
+                tokens.append(SampledToken(token_id, error=f"logprobs failed: {one_line(exc)}"))
+    return tokens
 
 
 NOT_A_NUMBER = "the model's output for this request is not a number (NaN); it was ended"
 
 
-def _checked(tokens: list[SampledToken], values: torch.Tensor) -> list[SampledToken]:
-    """Rows whose largest logit is NaN (the max propagates NaN) fail: no token means anything."""
-    nan = torch.isnan(values)
-    if not bool(nan.any()):
-        return tokens
-    return [
-        replace(token, error=NOT_A_NUMBER) if bad and token.error is None else token
-        for token, bad in zip(tokens, nan.tolist(), strict=True)
-    ]
+NAN_ROW = -1  # the host id of a row whose largest logit is NaN (no token means anything there)
+
+
+def _to_host(values: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """The chosen ids, NAN_ROW where a row's largest logit is NaN (the max propagates NaN), in one
+    copy to the host."""
+    return torch.where(torch.isnan(values), NAN_ROW, chosen).tolist()
 
 
 def top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
