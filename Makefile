@@ -27,7 +27,7 @@ $(VENV)/.test: $(VENV)/.runtime pyproject.toml
 	touch $@
 
 $(EMBEDDED): $(VENV)/.runtime
-	$(PY) -m service.model_store install-embedded
+	$(PY) -m service.store.model_store install-embedded
 
 serve: setup
 	$(PY) entrypoint.py serve --host $(HOST)

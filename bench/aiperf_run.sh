@@ -18,7 +18,7 @@
 # aiperf is installed (pinned, AIPERF_VERSION, default 0.13.0) into its own virtualenv under
 # ${NIM_BENCH_CACHE:-~/.cache/nim-bench}/aiperf-venv, never into the project's .venv. aiperf needs a local
 # tokenizer directory: one is written next to it from the GGUF with the project's own tokenizer code
-# (tokenizer.json from service.tokenizer's backend, tokenizer_config.json with the chat template and special
+# (tokenizer.json from service.text.tokenizer's backend, tokenizer_config.json with the chat template and special
 # tokens). Token counts come from the server's usage (--use-server-token-count): with ignore_eos the model
 # may emit special tokens, which the streamed text leaves out. aiperf is a multi-process client; on a 2-core
 # machine it takes CPU from the server, so it is run with one worker and one record processor, at the lowest
@@ -68,7 +68,7 @@ if [ ! -x "$VENV/bin/aiperf" ]; then
 fi
 
 # 2. The tokenizer directory, written once per GGUF file.
-[ -n "$GGUF" ] || GGUF=$(cd "$REPO" && "$PROJECT_PY" -m service.model_store embedded-path | tail -1)
+[ -n "$GGUF" ] || GGUF=$(cd "$REPO" && "$PROJECT_PY" -m service.store.model_store embedded-path | tail -1)
 TOKENIZER="$CACHE/tokenizers/$(basename "$GGUF" .gguf)"
 if [ ! -f "$TOKENIZER/tokenizer_config.json" ]; then
   log "writing tokenizer for $GGUF into $TOKENIZER"
@@ -78,7 +78,7 @@ import json
 import sys
 from pathlib import Path
 
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 
 gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
 tok = Tokenizer.from_gguf(gguf)

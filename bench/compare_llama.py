@@ -257,7 +257,7 @@ class Servers:
 
 def embedded_gguf(python: str) -> str:
     out = subprocess.run(
-        [python, "-m", "service.model_store", "embedded-path"],
+        [python, "-m", "service.store.model_store", "embedded-path"],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -17,7 +17,7 @@ from typing import TypedDict
 import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
-from service.logging import configure_logging
+from service.telemetry.logging import configure_logging
 
 log = logging.getLogger("service")
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(settings: Settings) -> int:
     """Run until stopped; returns the process exit code (non-zero when the model failed)."""
     from service.api.app import create_app
-    from service.planning import served_name
+    from service.selection.planning import served_name
     from service.server import DrainingServer
     from service.serving import bring_up_model
 

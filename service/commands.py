@@ -10,11 +10,11 @@ import urllib.request
 from pathlib import Path
 
 from service.config import Settings
-from service.hardware import describe
-from service.model_download import DownloadError
-from service.model_store import STORE_DESCRIPTOR, ModelNotFoundError
-from service.planning import current_system, fetch_profile, make_plan, manifest_for, policy_for
-from service.profiles import Profile, ProfileError, Verdict, assess
+from service.selection.hardware import describe
+from service.selection.planning import current_system, fetch_profile, make_plan, manifest_for, policy_for
+from service.selection.profiles import Profile, ProfileError, Verdict, assess
+from service.store.model_download import DownloadError
+from service.store.model_store import STORE_DESCRIPTOR, ModelNotFoundError
 
 
 class CommandError(RuntimeError):

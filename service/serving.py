@@ -22,10 +22,10 @@ from service.engine.config import (
     SchedulerLimits,
 )
 from service.engine.registry import load_engine
-from service.metering import MeteredEngine
-from service.metrics import Metrics
-from service.model_store import ModelSource
-from service.planning import Plan, make_plan, model_source
+from service.selection.planning import Plan, make_plan, model_source
+from service.store.model_store import ModelSource
+from service.telemetry.metering import MeteredEngine
+from service.telemetry.metrics import Metrics
 from service.util import on_new_thread, one_line
 
 log = logging.getLogger(__name__)

@@ -135,8 +135,8 @@ def base_url(server: ServerProcess) -> str:
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer():
-    from service.model_store import embedded_model_path
-    from service.tokenizer import Tokenizer
+    from service.store.model_store import embedded_model_path
+    from service.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(embedded_model_path())
 

@@ -1,4 +1,4 @@
-"""service.chat_template against Hugging Face transformers' `apply_chat_template` as the reference.
+"""service.text.chat_template against Hugging Face transformers' `apply_chat_template` as the reference.
 
 The reference renders through a tiny in-memory transformers tokenizer (chat templates need no
 vocabulary), so nothing is loaded or downloaded. Rendering with a model's own template and special
@@ -15,7 +15,7 @@ from jinja2.exceptions import SecurityError
 from tokenizers import models
 from transformers import PreTrainedTokenizerFast
 
-from service.chat_template import ChatTemplate, ChatTemplateError
+from service.text.chat_template import ChatTemplate, ChatTemplateError
 
 SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 HI = [{"role": "user", "content": "hi"}]

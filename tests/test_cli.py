@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from service.hardware import SystemInfo
-from service.profiles import find_manifest, load_manifests
+from service.selection.hardware import SystemInfo
+from service.selection.profiles import find_manifest, load_manifests
 from tests.conftest import EMBEDDED_NAME, REPO, free_port, start_server, wait_ready
 
 SYSTEMS = Path(__file__).parent / "systems"

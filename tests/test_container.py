@@ -302,7 +302,7 @@ def image_server(installed: Installed) -> Iterator[ServerProcess]:
 def test_wheel_carries_code_and_profiles_but_no_tests(installed: Installed) -> None:
     probe = subprocess.run(
         [str(installed.venv / "bin" / "python"), "-c",
-         "import service, service.profiles as p; print(service.__file__); print(p.PROFILES_DIR)"],
+         "import service, service.selection.profiles as p; print(service.__file__); print(p.PROFILES_DIR)"],
         capture_output=True, text=True, cwd="/", env=installed.env(),
     )  # fmt: skip
     module, profiles = probe.stdout.split()

@@ -25,7 +25,7 @@ from service.engine.protocol import (
     GenerationRequest,
     RequestOutput,
 )
-from service.metrics import Metrics
+from service.telemetry.metrics import Metrics
 from tests.conftest import EMBEDDED_NAME, start_server, wait_ready
 from tests.test_engine_interface import INFO
 
@@ -152,7 +152,7 @@ def test_requests_after_death_get_503_with_retry_after(racy: bool) -> None:
 
 
 def _tokenizer():
-    from service.model_store import embedded_model_path
-    from service.tokenizer import Tokenizer
+    from service.store.model_store import embedded_model_path
+    from service.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(embedded_model_path())

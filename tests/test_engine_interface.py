@@ -28,9 +28,9 @@ from service.engine.protocol import (
 from service.engine.registry import ENGINES, EngineUnavailableError, availability, load_engine
 from service.engine.torch.loading import context_length
 from service.engine.torch.step_plan import NewRequest, ScheduledSequence, build_plan
-from service.metering import EngineStatsCollector, MeteredEngine
-from service.metrics import Metrics
 from service.serving import config_for
+from service.telemetry.metering import EngineStatsCollector, MeteredEngine
+from service.telemetry.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE = REPO / "service"
@@ -60,12 +60,18 @@ ENGINE_PACKAGES = ("service.engine.torch", "service.engine.models", "service.eng
 
 def test_api_imports_no_engine_package() -> None:
     assert _violations(SERVICE / "api", ENGINE_PACKAGES) == []
-    for module in ("service/metering.py", "service/metrics.py"):
+    for module in ("service/telemetry/metering.py", "service/telemetry/metrics.py"):
         assert not {n for n in _imports(REPO / module) if n.startswith(ENGINE_PACKAGES)}, module
 
 
 def test_engines_import_neither_settings_nor_metrics_nor_the_api() -> None:
-    forbidden = ("service.config", "service.metrics", "service.metering", "service.api", "service.serving")
+    forbidden = (
+        "service.config",
+        "service.telemetry.metrics",
+        "service.telemetry.metering",
+        "service.api",
+        "service.serving",
+    )
     assert _violations(SERVICE / "engine", forbidden) == []
 
 
@@ -131,9 +137,9 @@ def test_a_collective_timeout_without_tensor_parallelism_is_refused_not_ignored(
 
 
 def test_selection_skips_profiles_the_engine_would_refuse() -> None:
-    from service.hardware import load_system
-    from service.planning import manifest_for, policy_for
-    from service.profiles import Profile, evaluate
+    from service.selection.hardware import load_system
+    from service.selection.planning import manifest_for, policy_for
+    from service.selection.profiles import Profile, evaluate
 
     settings = load_settings()
     manifest = manifest_for(settings)

@@ -12,7 +12,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from service.hardware import (
+from service.selection.hardware import (
     CPUInfo,
     GPUInfo,
     SystemInfo,

@@ -20,7 +20,7 @@ import pytest
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from safetensors.numpy import load_file, save_file
 
-from service.model_download import (
+from service.store.model_download import (
     DEFAULT_ALLOW_PATTERNS,
     AccessDeniedError,
     ArtifactSpec,
@@ -51,7 +51,7 @@ import json, logging, sys, time
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 from huggingface_hub import constants
-from service.model_download import ArtifactSpec, download_artifact
+from service.store.model_download import ArtifactSpec, download_artifact
 args = json.loads(sys.argv[1])
 constants.DOWNLOAD_CHUNK_SIZE = args["chunk"]
 start = time.monotonic()
@@ -258,7 +258,7 @@ def test_offline_and_unreachable_hub_use_the_cache_without_requests(
     assert hub.requests == []
 
     hub.stop()  # air-gapped: the endpoint refuses connections
-    with caplog.at_level("WARNING", logger="service.model_download"):
+    with caplog.at_level("WARNING", logger="service.store.model_download"):
         assert fetch(hub, cache) == snapshot  # a branch needs the hub; unreachable -> the cached commit
     assert "hub unavailable" in caplog.text
     assert fetch(hub, cache, revision=tiny.main) == snapshot

@@ -200,7 +200,7 @@ def test_unsupported_settings_stop_the_start_in_one_line(
 
 def test_a_hub_checkpoint_is_sized_with_its_experts() -> None:
     """Generic profiles for a hub id size weights from the config: every expert counts."""
-    from service.planning import _estimate_weights_bytes
+    from service.selection.planning import _estimate_weights_bytes
 
     config = ModelConfig.from_hf_config(_hf_model("qwen3_moe").config.to_dict())
     hidden, attention = 64, 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64

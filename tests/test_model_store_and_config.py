@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from service.config import ConfigError, load_settings
-from service.model_download import DownloadError
-from service.model_store import (
+from service.selection.planning import make_plan, model_source
+from service.store.model_download import DownloadError
+from service.store.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
     ModelSource,
@@ -16,7 +17,6 @@ from service.model_store import (
     embedded_model_path,
     install_embedded,
 )
-from service.planning import make_plan, model_source
 
 
 def resolve_model(model_name: str | None, served_model_name: str | None, cache_path: Path) -> ModelSource:

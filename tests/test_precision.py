@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service import profiles
 from service.engine import config as engine_config
 from service.engine.models import quant_cache, quant_linear
 from service.engine.models.quant import FORMATS, Int4Weight, QuantizationError, quantize
@@ -27,6 +26,7 @@ from service.engine.precision import (
 )
 from service.engine.registry import ENGINES
 from service.engine.torch.scripted_decode import linear_args
+from service.selection import profiles
 
 QUANTIZED = [s for s in SPECS if s.quantized]
 

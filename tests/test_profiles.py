@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.hardware import SystemInfo, load_system
-from service.profiles import (
+from service.selection.hardware import SystemInfo, load_system
+from service.selection.profiles import (
     Architecture,
     Policy,
     ProfileError,

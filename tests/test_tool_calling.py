@@ -19,7 +19,7 @@ import pytest
 
 from service.api.errors import APIError
 from service.api.tools import ToolSpec, detect_parser, tool_spec
-from service.chat_template import ChatTemplate
+from service.text.chat_template import ChatTemplate
 from tests.test_quantization import _byte_level_tokenizer, serving
 from tests.test_tensor_parallel import _checkpoint
 

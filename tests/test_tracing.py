@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from service.config import ConfigError, load_settings
-from service.tracing import RequestTracing, annotate, configure_tracing
+from service.telemetry.tracing import RequestTracing, annotate, configure_tracing
 from tests.conftest import start_server, wait_ready
 
 trace_pb2 = pytest.importorskip(
@@ -239,7 +239,7 @@ def test_traces_endpoint_follows_the_otel_conventions() -> None:
 def test_missing_sdk_warns_or_fails_as_asked(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
     auto = load_settings(otel_exporter_otlp_endpoint="http://c:4318")
-    with caplog.at_level("WARNING", logger="service.tracing"):
+    with caplog.at_level("WARNING", logger="service.telemetry.tracing"):
         assert configure_tracing(auto) is None
     assert "traces are not exported" in caplog.text and "nim-torch[otel]" in caplog.text
     with pytest.raises(ConfigError, match="NIM_ENABLE_OTEL=1"):
@@ -248,7 +248,7 @@ def test_missing_sdk_warns_or_fails_as_asked(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_console_exporter_writes_spans_to_the_log(caplog) -> None:
     settings = load_settings(enable_otel=True, otel_traces_exporter="console")
-    with caplog.at_level("INFO", logger="service.tracing"):
+    with caplog.at_level("INFO", logger="service.telemetry.tracing"):
         tracing = configure_tracing(settings)
         assert tracing is not None
         with tracing.request_span("GET", "/v1/models", {}) as span:

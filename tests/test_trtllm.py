@@ -83,7 +83,7 @@ def double_release(double: Path, monkeypatch: pytest.MonkeyPatch):
 
 def _config(checkpoint: Path, tmp_path: Path, **changes: object) -> EngineConfig:
     from service.config import load_settings
-    from service.planning import make_plan, model_source
+    from service.selection.planning import make_plan, model_source
     from service.serving import engine_config
 
     settings = load_settings(model_name=str(checkpoint), cache_path=str(tmp_path / "cache"))

@@ -29,8 +29,8 @@ from service.api.schemas import ChatCompletionChunk, CompletionResponse
 from service.api.security import APIKeyStore
 from service.api.state import ApiLimits, Ready, ServiceState
 from service.config import Settings
-from service.metrics import Metrics
-from service.tracing import configure_tracing
+from service.telemetry.metrics import Metrics
+from service.telemetry.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 

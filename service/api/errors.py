@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.tokenizer import InvalidTextError
+from service.text.tokenizer import InvalidTextError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from service.api.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from service.engine.protocol import TokenLogprob
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:

@@ -57,8 +57,8 @@ from service.api.schemas import (
 from service.api.state import Ready, ServiceState
 from service.api.tools import ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
-from service.tokenizer import ChatTemplateError, Tokenizer
-from service.tracing import annotate
+from service.telemetry.tracing import annotate
+from service.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

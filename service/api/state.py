@@ -11,9 +11,9 @@ from service.api.errors import APIError, service_unavailable
 from service.api.tools import ParserName
 from service.config import Settings
 from service.engine.protocol import AdapterCatalog, Engine, EngineDeadError, EngineInfo
-from service.metering import EngineStatsCollector
-from service.metrics import Metrics
-from service.tokenizer import Tokenizer
+from service.telemetry.metering import EngineStatsCollector
+from service.telemetry.metrics import Metrics
+from service.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

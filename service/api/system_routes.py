@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 import service
 from service.api.errors import error_body
-from service.metrics import CONTENT_TYPE
+from service.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter(prefix="/v1")
 # Prometheus' and the Gateway API Inference Extension's default scrape path, beside NIM's /v1/metrics.
@@ -39,7 +39,7 @@ async def ready(request: Request) -> JSONResponse:
 @root_router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(request.app.state.service.telemetry.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/version")

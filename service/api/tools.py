@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from service.api.errors import invalid_request
-from service.chat_template import ChatTemplate
 from service.engine.protocol import GuidedDecoding
+from service.text.chat_template import ChatTemplate
 
 log = logging.getLogger(__name__)
 

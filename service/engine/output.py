@@ -7,7 +7,7 @@ moment a stop condition is met, not when a client notices.
 from __future__ import annotations
 
 from service.engine.protocol import FinishReason, SamplingParams
-from service.tokenizer import IncrementalDetokenizer, Tokenizer
+from service.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopStringMatcher:

@@ -4,7 +4,7 @@ A spec says what a precision costs (bytes per weight), how it is stored (the for
 service.engine.models.quant, also the name the quantized-weights cache records), which layer
 computes with it (service.engine.models.quant_linear), whether float checkpoints are quantized
 into it at load, where a kernel computes with it natively, and what each engine needs of a GPU.
-Selection (service.profiles), the engine registry and the quantized layers read these specs;
+Selection (service.selection.profiles), the engine registry and the quantized layers read these specs;
 none keeps a table of its own. Class references are names, resolved by the modules that define
 the classes (this module stays pure: no torch import, no import of the engine).
 
@@ -60,7 +60,7 @@ class PrecisionSpec:
             raise ValueError(f"precision {self.name}: a native CUDA kernel states its compute capability")
 
 
-# In the order selection prefers them (service.profiles.PRECISIONS), other things equal.
+# In the order selection prefers them (service.selection.profiles.PRECISIONS), other things equal.
 SPECS: tuple[PrecisionSpec, ...] = (
     PrecisionSpec(
         "nvfp4",

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
 ErrorCause = Literal["request", "engine"]  # whose fault a failed request was

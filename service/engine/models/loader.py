@@ -36,7 +36,7 @@ from service.engine.models.quant import (
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
-from service.model_store import PICKLE_SUFFIXES
+from service.store.model_store import PICKLE_SUFFIXES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -71,7 +71,7 @@ from service.engine.torch.scheduler import Scheduler, SchedulerConfig, Scheduler
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.engine.torch.step_plan import NewRequest, ScheduledSequence, StepPlan, build_plan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 from service.util import one_line
 
 log = logging.getLogger(__name__)

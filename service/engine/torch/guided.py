@@ -82,7 +82,7 @@ from service.engine.protocol import GuidedDecoding
 if TYPE_CHECKING:  # not imported at run time: a compile worker reads its vocabulary before torch loads
     import torch
 
-    from service.tokenizer import Tokenizer
+    from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

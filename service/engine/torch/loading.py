@@ -34,9 +34,9 @@ from service.engine.torch.guided import xgrammar_available
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.tp_group import RankSetup, TPGroup
-from service.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
-from service.logging import JSONLinesFormatter
-from service.tokenizer import Tokenizer
+from service.selection.hardware import available_cpu_count, choose_device, choose_dtype, free_memory_bytes
+from service.telemetry.logging import JSONLinesFormatter
+from service.text.tokenizer import Tokenizer
 from service.util import cdiv
 
 log = logging.getLogger(__name__)

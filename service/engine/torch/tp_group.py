@@ -234,7 +234,7 @@ class TPGroup:
 
 def worker_main(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
     """A worker rank's whole life (the spawned process's target)."""
-    from service.logging import configure_logging
+    from service.telemetry.logging import configure_logging
 
     configure_logging(logging.getLevelName(setup.log_level), setup.jsonl_logs)
     try:

@@ -23,7 +23,7 @@ from service.engine.trtllm.api import TrtllmApi, TrtllmUnavailableError, import_
 from service.engine.trtllm.engine import TrtllmEngine
 from service.engine.trtllm.engine_cache import load_or_build
 from service.engine.trtllm.release import release
-from service.tokenizer import Tokenizer
+from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from service.model_store import PICKLE_SUFFIXES
+from service.store.model_store import PICKLE_SUFFIXES
 from service.util import one_line
 
 log = logging.getLogger(__name__)

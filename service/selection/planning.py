@@ -19,21 +19,8 @@ from service.engine.models.config import ModelConfig
 from service.engine.models.modelopt import HF_QUANT_CONFIG, checkpoint_quantization
 from service.engine.models.quant import QuantizationError
 from service.engine.registry import ENGINES, available_engines
-from service.hardware import SystemInfo, detect_system, load_system
-from service.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
-from service.model_store import (
-    EMBEDDED_MODEL_NAME,
-    ModelNotFoundError,
-    ModelSource,
-    check_model_dir,
-    check_model_file,
-    default_served_name,
-    embedded_model_path,
-    looks_like_hub_id,
-    read_store_descriptor,
-    source_in_directory,
-)
-from service.profiles import (
+from service.selection.hardware import SystemInfo, detect_system, load_system
+from service.selection.profiles import (
     Architecture,
     Manifest,
     Policy,
@@ -44,6 +31,19 @@ from service.profiles import (
     generic_manifest,
     load_manifests,
     select,
+)
+from service.store.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
+from service.store.model_store import (
+    EMBEDDED_MODEL_NAME,
+    ModelNotFoundError,
+    ModelSource,
+    check_model_dir,
+    check_model_file,
+    default_served_name,
+    embedded_model_path,
+    looks_like_hub_id,
+    read_store_descriptor,
+    source_in_directory,
 )
 
 log = logging.getLogger(__name__)

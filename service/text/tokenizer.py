@@ -4,10 +4,10 @@ Tokenization itself is done by the Rust `tokenizers` library. This module only a
 `tokenizers.Tokenizer` from what a model ships with:
 
 - a GGUF file, whose metadata holds llama.cpp's description of the vocabulary (`from_gguf`; the
-  vocabulary itself is rebuilt by `service.gguf_vocab`), or
+  vocabulary itself is rebuilt by `service.text.gguf_vocab`), or
 - a Hugging Face model directory with a `tokenizer.json` (`from_directory`).
 
-Chat templates are rendered by `service.chat_template`, as transformers renders them.
+Chat templates are rendered by `service.text.chat_template`, as transformers renders them.
 
 Nothing here runs code that comes with a model: `tokenizer.json` is data for the Rust library,
 `auto_map`/`trust_remote_code` entries are ignored, and chat templates run in Jinja's immutable
@@ -24,8 +24,14 @@ from typing import Any
 
 import tokenizers
 
-from service.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
-from service.gguf_vocab import added_tokens, bos_eos_processor, build_backend, byte_alphabet, default_add_bos
+from service.text.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from service.text.gguf_vocab import (
+    added_tokens,
+    bos_eos_processor,
+    build_backend,
+    byte_alphabet,
+    default_add_bos,
+)
 from service.util import one_line
 
 __all__ = ["NO_CHAT_TEMPLATE", "ChatTemplateError", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer"]

@@ -36,13 +36,13 @@ from service.engine.precision import PRECISION_SPECS, SPECS, Mode, precision_mod
 from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
 from service.engine.trtllm import release as trtllm_release
-from service.hardware import SystemInfo
+from service.selection.hardware import SystemInfo
 from service.util import cdiv
 
 
 def _profiles_dir() -> Path:
     """profiles/ of a source checkout, else the copy a wheel install puts in <prefix>/share."""
-    checkout = Path(__file__).resolve().parent.parent
+    checkout = Path(__file__).resolve().parents[2]
     if (checkout / "pyproject.toml").is_file():
         return checkout / "profiles"
     return Path(sysconfig.get_path("data")) / "share" / "nim-torch" / "profiles"

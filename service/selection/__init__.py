@@ -1,0 +1,1 @@
+"""What this machine can run and which profile it serves: hardware (NVML), the manifests, planning."""

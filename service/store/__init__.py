@@ -1,0 +1,1 @@
+"""Where weights live: the model store, the embedded model, hub downloads."""

@@ -1,0 +1,1 @@
+"""What the service reports: Prometheus metrics, per-request metering, tracing, logging."""
