@@ -39,7 +39,7 @@ async def ready(request: Request) -> JSONResponse:
 @root_router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.service.telemetry.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/version")
