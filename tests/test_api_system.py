@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, embedded_default_precision, start_server, wait_ready
 
 
 def test_live_and_ready(base_url: str) -> None:
@@ -29,7 +29,7 @@ def test_version_and_metadata(base_url: str) -> None:
     assert meta["modelInfo"][0]["modelUrl"].endswith(".gguf")
     profile = meta["selectedProfile"]
     assert profile["tags"]["llm_engine"] == "torch"
-    assert profile["tags"]["precision"] == "int4_wo"  # the embedded default (its Q4_1 blocks as int4)
+    assert profile["tags"]["precision"] == embedded_default_precision()
     assert set(meta["versions"]) >= {"service", "torch", "python"}
 
 

@@ -14,7 +14,14 @@ import openai
 
 from service.selection.hardware import SystemInfo
 from service.selection.profiles import find_manifest, load_manifests
-from tests.conftest import EMBEDDED_NAME, REPO, free_port, start_server, wait_ready
+from tests.conftest import (
+    EMBEDDED_NAME,
+    REPO,
+    embedded_default_precision,
+    free_port,
+    start_server,
+    wait_ready,
+)
 
 SYSTEMS = Path(__file__).parent / "systems"
 
@@ -34,7 +41,9 @@ def run_cli(
     )
 
 
-def embedded_profile(name: str = "torch-generic-int4_wo-tp1-pp1-throughput"):
+def embedded_profile(name: str | None = None):
+    """The embedded model's profile by name; by default the one this machine selects."""
+    name = name or f"torch-generic-{embedded_default_precision()}-tp1-pp1-throughput"
     manifest = find_manifest("embedded", load_manifests())
     assert manifest is not None
     return next(p for p in manifest.profiles if p.name == name)
@@ -55,14 +64,17 @@ def test_list_model_profiles_for_the_embedded_model() -> None:
     assert "SYSTEM INFO" in out and "MODEL PROFILES (smollm2-135m-instruct)" in out
     assert "Compatible with system and runnable:" in out
     selected = [line for line in out.splitlines() if "(selected)" in line]
-    assert len(selected) == 1 and "torch-generic-int4_wo-tp1-pp1-throughput" in selected[0]
+    precision = embedded_default_precision()
+    assert len(selected) == 1 and f"torch-generic-{precision}-tp1-pp1-throughput" in selected[0]
     assert embedded_profile().id in selected[0]
     assert "tensorrt_llm is not installed" in out
     explanation = out.split("SELECTION")[1]
     assert (
-        "selected torch-generic-int4_wo-tp1-pp1-throughput" in explanation
-        and "lowest runnable precision (int4_wo, native" in explanation
+        f"selected torch-generic-{precision}-tp1-pp1-throughput" in explanation
+        and f"lowest runnable precision ({precision}, native" in explanation
     )
+    slow_bf16 = "bf16, int4_wo, int8_wo ranked last: this CPU has no avx512_bf16 or amx_bf16"
+    assert (slow_bf16 in explanation) == (precision == "fp32")
     assert "tensor parallelism on the CPU runs only when NIM_TENSOR_PARALLEL_SIZE=N" in explanation
     runnable = out.split("Compatible with system and runnable:")[1].split("Compatible with system but")[0]
     fp8 = next(line for line in runnable.splitlines() if "torch-generic-fp8-" in line)

@@ -386,14 +386,20 @@ def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, poli
     )
 
 
+_FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _slow_here(profile: Profile, system: SystemInfo) -> bool:
+    """bf16, and the int kernels (fast only with bf16 activations), run slower than fp32 on a CPU
+    without bf16 instructions: selection ranks them last there."""
+    fast_bf16 = bool(set(_FAST_BF16_FLAGS) & set(system.cpu.isa_flags))
+    return not system.gpus and not fast_bf16 and PRECISION_SPECS[profile.precision].cpu_wants_bf16
+
+
 def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     p = verdict.profile
     family = system.gpus[0].family if system.gpus else "cpu"
-    precision_rank = PRECISIONS.index(p.precision)
-    slow_bf16 = not ({"avx512_bf16", "amx_bf16"} & set(system.cpu.isa_flags))
-    if not system.gpus and slow_bf16 and PRECISION_SPECS[p.precision].cpu_wants_bf16:
-        # bf16 (and the int kernels, which run fast only with bf16 activations) is slow on this CPU
-        precision_rank = len(PRECISIONS)
+    precision_rank = len(PRECISIONS) if _slow_here(p, system) else PRECISIONS.index(p.precision)
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
         verdict.mode == "emulated",
@@ -501,6 +507,12 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo)
     if p.gpu != "generic":
         parts.append(f"built for this GPU ({p.gpu.upper()})")
     parts.append(f"lowest runnable precision ({p.precision}, {chosen.mode_note})")
+    demoted = sorted({v.profile.precision for v in runnable if _slow_here(v.profile, system)})
+    if demoted:
+        parts.append(
+            f"{', '.join(demoted)} ranked last: this CPU has no {' or '.join(_FAST_BF16_FLAGS)}, "
+            "without which they run slower than fp32"
+        )
     if len(runnable) > 1:
         parts.append(f"{len(runnable) - 1} other compatible profile(s) ranked lower")
     return "; ".join(parts)
