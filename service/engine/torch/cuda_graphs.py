@@ -60,13 +60,25 @@ class GraphDecodeAttention:
         self.pool, self.slots, self.tables, self.lens = pool, slots, tables, lens
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """A layer's window and scale are fixed by the model, so each layer's are captured as
+        constants of the graph."""
         pool = self.pool
         pool.write(layer, self.slots, k, v)
         scales = pool.scales[layer] if pool.scales is not None else None
         return paged_decode_attention(
-            q, pool.data[layer], scales, pool.spec.cache_dtype, self.tables, self.lens, self.scale
-        )
+            q, pool.data[layer], scales, pool.spec.cache_dtype, self.tables, self.lens,
+            self.scale if scale is None else scale, window=window,
+        )  # fmt: skip
 
 
 class CudaGraphDecoder:

@@ -24,6 +24,12 @@ seeded sample differed with 16 rather than 32 cached prompt tokens). So prefill 
 cut into tiles of PREFILL_TILE positions aligned to absolute positions (padded with zero rows),
 passed as the batch dimension: a token is always computed in the same tile, of the same
 height, whatever the chunk holds. tests/test_engine.py holds this; a faster kernel must keep it.
+
+Sliding-window layers (a call with `window`) attend over the same gathered context with the
+step's masks narrowed to each query's window (built once per step and window, shared by the
+layers that use it), and through the Triton kernel with its window argument. Every block stays
+in the cache, out-of-window ones included: the prefix cache and preemption work unchanged, and
+the window saves compute where the kernel skips whole tiles, but no memory yet.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from service.engine.models.attention import check_window
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.triton_attention import paged_decode_attention
 
@@ -80,32 +87,49 @@ class PagedAttention:
         self.meta = meta
         self.num_heads = num_heads
         self.scale = 1.0 / math.sqrt(head_dim)
+        # Masks narrowed to a window, per (decode or prefill chunk index, window): built by the
+        # first sliding-window layer of the step, reused by the others.
+        self._windowed: dict[tuple[int, int], torch.Tensor] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        check_window(window)
         meta = self.meta
+        scale = self.scale if scale is None else scale
         self.pool.write(layer, meta.slot_mapping, k, v)
         if not meta.prefills:
-            return self._decode(layer, q)
+            return self._decode(layer, q, window, scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes])
-        for chunk in meta.prefills:
+            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], window, scale)
+        for index, chunk in enumerate(meta.prefills):
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query)
-            out[rows] = self._prefill(layer, chunk, q[rows], k[rows], v[rows])
+            mask = chunk.mask if window is None else self._prefill_window(index, chunk, window)
+            out[rows] = self._prefill(layer, chunk, mask, scale, q[rows], k[rows], v[rows])
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         # q: [B, Hq, D]: one query per request, B requests side by side in the batch dimension.
         meta = self.meta
         if meta.decode_tables is not None and meta.decode_lens is not None:
             scales = self.pool.scales[layer] if self.pool.scales is not None else None
             return paged_decode_attention(
                 q, self.pool.data[layer], scales, self.pool.spec.cache_dtype, meta.decode_tables,
-                meta.decode_lens, self.scale,
+                meta.decode_lens, scale, window=window,
             )  # fmt: skip
         mask = meta.decode_mask
         assert mask is not None
+        if window is not None:
+            mask = self._decode_window(mask, window)
         batch, length = mask.shape[0], mask.shape[-1]
         if meta.decode_block_run is not None:
             both = self.pool.run_pair(layer, *meta.decode_block_run)  # [2, Hkv, L, D], a view
@@ -117,11 +141,43 @@ class PagedAttention:
         keys, values = both.view(2, num_kv_heads, batch, length, head_dim).transpose(1, 2).unbind(0)
         # Query head h attends with kv head h // group: [B, Hq, D] is [B, Hkv, G, D] as it lies.
         queries = q.view(batch, num_kv_heads, self.num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(batch, self.num_heads, head_dim)
 
+    def _decode_window(self, mask: torch.Tensor, window: int) -> torch.Tensor:
+        """The step's decode mask [B, 1, 1, L] narrowed to each request's last `window` keys."""
+        key = (-1, window)
+        if key not in self._windowed:
+            visible = mask == 0  # a prefix [0, context length) of each row
+            lens = visible.sum(dim=-1, keepdim=True)
+            positions = torch.arange(mask.shape[-1], device=mask.device)
+            self._windowed[key] = mask.masked_fill(positions < lens - window, float("-inf"))
+        return self._windowed[key]
+
+    def _prefill_window(self, index: int, chunk: PrefillChunk, window: int) -> torch.Tensor:
+        """Prefill chunk `index`'s tiled causal mask narrowed to each query's window. Padding rows
+        past the chunk keep their causal mask (their output is discarded; a row that sees nothing
+        would be NaN)."""
+        key = (index, window)
+        if key not in self._windowed:
+            num_tiles, tile, length = chunk.mask.shape
+            first_tile = (chunk.context_len - chunk.num_query) // tile
+            device = chunk.mask.device
+            queries = torch.arange(first_tile * tile, (first_tile + num_tiles) * tile, device=device)
+            keys = torch.arange(length, device=device)
+            outside = (keys[None, :] <= queries[:, None] - window) & (queries[:, None] < chunk.context_len)
+            self._windowed[key] = chunk.mask.masked_fill(outside.view(num_tiles, tile, length), float("-inf"))
+        return self._windowed[key]
+
     def _prefill(
-        self, layer: int, chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        chunk: PrefillChunk,
+        mask: torch.Tensor,
+        scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
     ) -> torch.Tensor:
         # q: [S, Hq, D]: the chunk's queries against its whole context; k, v: [S, Hkv, D], its own.
         keys, values = self.pool.gather(layer, chunk.block_ids, q.dtype)  # [Hkv, L, D]
@@ -132,7 +188,7 @@ class PagedAttention:
             start = chunk.context_len - chunk.num_query
             keys[:, start : chunk.context_len] = k.transpose(0, 1)
             values[:, start : chunk.context_len] = v.transpose(0, 1)
-        num_tiles, tile, _ = chunk.mask.shape
+        num_tiles, tile, _ = mask.shape
         rows = slice(chunk.tile_offset, chunk.tile_offset + chunk.num_query)
         padded = q.new_zeros(num_tiles * tile, *q.shape[1:])  # [n * tile, Hq, D]
         padded[rows] = q
@@ -141,8 +197,8 @@ class PagedAttention:
             queries,
             keys[None].expand(num_tiles, -1, -1, -1),  # [n, Hkv, L, D], one copy shared by the tiles
             values[None].expand(num_tiles, -1, -1, -1),
-            attn_mask=chunk.mask[:, None],  # [n, 1, tile, L]
-            scale=self.scale,
+            attn_mask=mask[:, None],  # [n, 1, tile, L]
+            scale=scale,
             enable_gqa=True,
         )  # [n, Hq, tile, D]
         return out.transpose(1, 2).reshape(num_tiles * tile, *q.shape[1:])[rows]

@@ -8,6 +8,12 @@ exp(m_old - m_new) whenever a tile raises the max, so the result equals softmax(
 the whole context. The grouped query heads that share a kv head are processed together (rows of
 one tl.dot), so keys and values are read once per kv head.
 
+A sliding-window layer (`window`: the query, at position context - 1, sees the last `window`
+positions) starts its walk at the tile holding the window's first position and masks the positions
+before it within that tile, so every tile it visits holds at least one visible key (the running max
+never stays -inf) and the keys it never visits cost nothing. WINDOWED is a compile-time switch:
+full-attention layers run the kernel exactly as before.
+
 Every shape the kernel sees is static for a batch size (block tables padded to the longest
 possible context, context lengths in a tensor), so it runs inside a captured CUDA graph.
 
@@ -34,6 +40,7 @@ if triton is not None:
         lens_ptr,  # [B] int32
         out_ptr,  # [B, Hq, D]
         sm_scale,
+        window,  # keys visible to the query, its own included (read only when WINDOWED)
         stride_qb,
         stride_qh,
         stride_tb,
@@ -52,6 +59,7 @@ if triton is not None:
         QUANT: tl.constexpr,  # 0: plain cache, 1: int8 codes, 2: fp8 e4m3 codes stored as bytes
         DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models (no tf32 shortcuts)
         COMPUTE_F32: tl.constexpr,  # matmuls in float32 (the interpreter has no bf16 arithmetic)
+        WINDOWED: tl.constexpr,  # a sliding-window layer: keys before context - window are not seen
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -76,9 +84,14 @@ if triton is not None:
         k_base = cache_ptr + kv_head * head_stride
         v_base = k_base + kv_stride
         tokens = tl.arange(0, TILE)
-        for start in range(0, context, TILE):
+        first = 0
+        if WINDOWED:
+            first = tl.maximum(context - window, 0)
+        for start in range(first // TILE * TILE, context, TILE):
             pos = start + tokens
             valid = pos < context
+            if WINDOWED:
+                valid = valid & (pos >= first)
             block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [TILE]
             offsets = slot[:, None] * HEAD_DIM + dims[None, :]  # [TILE, D]
@@ -127,12 +140,14 @@ def paged_decode_attention(
     sm_scale: float,
     out: torch.Tensor | None = None,
     tile: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; cache: one layer's [2, Hkv, NB, BS, D]; block_tables: [B, W] integer (rows
     padded with any valid block id); context_lens: [B] integer, each >= 1; both may be strided
     views (of the CUDA graphs' input buffer). Returns [B, Hq, D].
 
     `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
+    `window`: each query sees only its context's last `window` positions (None: all of them).
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton, which is not installed")
@@ -140,6 +155,8 @@ def paged_decode_attention(
     _, num_kv_heads, num_blocks, block_size, _ = cache.shape
     group = num_heads // num_kv_heads
     quant = QUANT_CODES.get(cache_dtype, 0)
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} must be at least 1")
     if quant and scales is None:
         raise ValueError(f"a {cache_dtype} cache needs its scales")
     if out is None:
@@ -158,6 +175,7 @@ def paged_decode_attention(
         context_lens,
         out,
         sm_scale,
+        0 if window is None else window,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -176,5 +194,6 @@ def paged_decode_attention(
         QUANT=quant,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         COMPUTE_F32=interpreted,
+        WINDOWED=window is not None,
     )
     return out
