@@ -13,10 +13,13 @@ so the adapted layer equals the merged weight W + scale * B @ A. `rank_pattern` 
 `alpha_pattern` override r and lora_alpha per module, matched as PEFT matches them (a pattern
 matches a module path or any dotted suffix of it).
 
-Only what the engine computes is accepted: LoRA (not DoRA) on the decoder's q/k/v/o and
-gate/up/down projections, no trained biases, no fully trained extra modules (modules_to_save), no
-transposed (fan_in_fan_out) weights, ranks up to the configured maximum, shapes that match the
-base model. Anything else is an AdapterError whose message names the adapter and the problem.
+Only what the engine computes is accepted: LoRA (not DoRA) on the projections the model's linear
+layers hold (`CausalLM.linear_layers`: a Llama decoder layer's q/k/v/o and gate/up/down; in a
+mixture-of-experts model's routed layers only attention's q/k/v/o, so an adapter on an expert or
+the router is refused with that reason), no trained biases, no fully trained extra modules
+(modules_to_save), no transposed (fan_in_fan_out) weights, ranks up to the configured maximum,
+shapes that match the base model. Anything else is an AdapterError whose message names the
+adapter and the problem.
 
 An adapter is checked in full when it is read, since what it holds reaches every request of a
 batch it runs in: both files resolve inside the source (a symlink leading out is refused), each
@@ -32,22 +35,27 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeGuard, TypeVar
 
 import safetensors.torch
 import torch
 
 from service.engine.models.config import ModelConfig
+from service.engine.models.llama import PROJECTIONS
+from service.engine.models.registry import model_class
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLED_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
-# The decoder projections an adapter may target, by their PEFT (Hugging Face) module names.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a Llama decoder layer, by their PEFT (Hugging Face) module names: what an
+# adapter of a dense model may target (`adaptable` says which a given model holds, layer by layer).
+TARGETS = PROJECTIONS
 
 # A name an adapter can be requested by: no path separators, no leading dot.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -59,8 +67,7 @@ _LARGEST_WEIGHT = float(torch.finfo(torch.bfloat16).max)  # finite in bfloat16 a
 _T = TypeVar("_T")
 
 _KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
-    r"(?P<module>\w+)\.lora_(?P<part>[AB])\.weight"
+    r"base_model\.model\.(?P<path>model\.layers\.(?P<layer>\d+)\.(?P<module>[\w.]+))\.lora_(?P<part>[AB])\.weight"
 )
 
 
@@ -96,18 +103,40 @@ class LoraAdapter:
         return max(w.rank for w in self.modules.values())
 
 
+@dataclass(frozen=True)
+class Projection:
+    """One projection an adapter may target."""
+
+    layer: int
+    name: str  # as PEFT names the module: "q_proj", ...
+    shape: tuple[int, int]  # (out, in) of the whole model's weight, as the checkpoint stores it
+
+
+@lru_cache(maxsize=8)
+def adaptable(config: ModelConfig) -> Mapping[str, Projection]:
+    """The projections of `config`'s model an adapter may target, by module path
+    ("model.layers.0.self_attn.q_proj"): every checkpoint projection its linear layers hold
+    (`CausalLM.linear_layers` of the model built on 'meta', which allocates nothing)."""
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    return MappingProxyType(
+        {
+            part.weight_name.removesuffix(".weight"): Projection(
+                linear.layer, part.name, (part.rows, linear.in_features)
+            )
+            for linear in model.linear_layers()
+            for part in linear.parts
+        }
+    )
+
+
 def projection_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(out, in) of a base projection, as the checkpoint stores it."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": (config.q_size, hidden),
-        "k_proj": (config.kv_size, hidden),
-        "v_proj": (config.kv_size, hidden),
-        "o_proj": (hidden, config.q_size),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }[module]
+    """(out, in) of a base projection, as the checkpoint stores it (its first layer's, where layers
+    differ)."""
+    shape = next((p.shape for p in adaptable(config).values() if p.name == module), None)
+    if shape is None:
+        raise KeyError(f"no layer of this model holds a {module}")
+    return shape
 
 
 def scan_source(root: Path) -> tuple[dict[str, Path], list[str]]:
@@ -177,31 +206,28 @@ def _read_adapter(
             )
         raise AdapterError(f"adapter {name}: no {WEIGHTS_FILE}")
     tensors = _read_tensors(name, _inside(name, weights_path, root), _largest_weights(config, max_rank))
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    projections = adaptable(config)
+    parts: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
         if match is None:
             raise AdapterError(f"adapter {name}: tensor {key!r} is not a LoRA weight of a decoder projection")
-        layer, module = int(match["layer"]), match["module"]
-        if module not in TARGETS:
-            raise AdapterError(f"adapter {name}: targets {module}, which this engine does not adapt")
-        if match["block"] != block_of(module):
-            raise AdapterError(f"adapter {name}: tensor {key!r} puts {module} under {match['block']}")
-        if layer >= config.num_layers:
-            raise AdapterError(f"adapter {name}: targets layer {layer}; the model has {config.num_layers}")
-        parts.setdefault((layer, module), {})[match["part"]] = tensor
+        projection = projections.get(match["path"])
+        if projection is None:
+            raise AdapterError(f"adapter {name}: {_not_adaptable(key, match['path'], config)}")
+        pair = parts.setdefault((projection.layer, projection.name), (match["path"], {}))[1]
+        pair[match["part"]] = tensor
     if not parts:
         raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no LoRA weights")
     modules = {}
-    for (layer, module), pair in sorted(parts.items()):
+    for (layer, module), (path, pair) in sorted(parts.items()):
         where = f"adapter {name}: layer {layer} {module}"
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{where}: lora_{'A' if 'A' not in pair else 'B'} is missing")
         a, b = pair["A"], pair["B"]
         if not (a.is_floating_point() and b.is_floating_point()):
             raise AdapterError(f"{where}: weights must be floating point, not {a.dtype} / {b.dtype}")
-        out_features, in_features = projection_shape(config, module)
-        path = f"model.layers.{layer}.{block_of(module)}.{module}"
+        out_features, in_features = projections[path].shape
         rank = _pattern_value(checked.rank_pattern, path, checked.rank)
         alpha = _pattern_value(checked.alpha_pattern, path, checked.alpha)
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
@@ -226,6 +252,27 @@ def _read_adapter(
 def block_of(module: str) -> str:
     """The decoder block a projection belongs to, as its checkpoint names it."""
     return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+
+
+def _not_adaptable(key: str, path: str, config: ModelConfig) -> str:
+    """Why the module at `path` (model.layers.N.<...>), which the model's linear layers do not
+    hold, cannot be adapted: one line."""
+    layer = int(path.split(".")[2])
+    block, _, rest = path.split(".", 3)[3].partition(".")
+    module = path.rpartition(".")[2]
+    if layer >= config.num_layers:
+        return f"targets layer {layer}; the model has {config.num_layers}"
+    if layer in config.sparse_layers and (".experts." in f".{rest}." or rest == "gate"):
+        what = "the router" if rest == "gate" else "an expert"
+        return (
+            f"targets {path}, {what} of a mixture-of-experts layer; LoRA adapts only the attention "
+            "projections (q/k/v/o) of a mixture-of-experts model's routed layers"
+        )
+    if module not in TARGETS:
+        return f"targets {module}, which this engine does not adapt"
+    if block != block_of(module):
+        return f"tensor {key!r} puts {module} under {block}"
+    return f"targets {path}, which this model does not have"
 
 
 @dataclass(frozen=True)
@@ -329,8 +376,8 @@ def _read_bounded(path: Path, limit: int, name: str) -> bytes:
 def _largest_weights(config: ModelConfig, max_rank: int) -> int:
     """Bytes of the largest weights file a servable adapter can have: every projection of every
     layer at the rank limit in float64, plus a header."""
-    elements = sum(max_rank * sum(projection_shape(config, module)) for module in TARGETS)
-    return 8 + _MAX_HEADER_BYTES + config.num_layers * elements * 8
+    elements = sum(max_rank * sum(projection.shape) for projection in adaptable(config).values())
+    return 8 + _MAX_HEADER_BYTES + elements * 8
 
 
 def _read_tensors(name: str, path: Path, limit: int) -> dict[str, torch.Tensor]:

@@ -302,6 +302,9 @@ _LINEAR_ROLES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "down": ("mlp", "down_proj", ("down_proj",)),
 }
 
+# Every checkpoint projection a Llama decoder layer holds, in forward order (what LoRA may adapt).
+PROJECTIONS: tuple[str, ...] = tuple(part for _, _, parts in _LINEAR_ROLES.values() for part in parts)
+
 # checkpoint projection name -> (fused module name, shard index within it)
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {
     part: (module, index)
