@@ -56,6 +56,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         engine=profile.llm_engine,
         model_path=source.path,
         model_format=source.kind,
+        checkpoint=source.checkpoint,
         served_name=source.served_name,
         profile_name=profile.name,
         precision=profile.precision,

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from service.engine.precision import SPECS
+
+if TYPE_CHECKING:
+    from service.store.checkpoint import Checkpoint
 
 # The vocabularies shared by Settings, profiles and engines; each is defined here only.
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -99,8 +102,9 @@ class EngineConfig:
     """Everything an engine needs to load and serve one model under one profile."""
 
     engine: str  # the profile's llm_engine: the registry key
-    model_path: Path
-    model_format: ModelFormat
+    model_path: Path  # the checkpoint's: its .gguf file or Hugging Face directory
+    model_format: ModelFormat  # the checkpoint's
+    checkpoint: Checkpoint  # what the model's files hold, inspected once (service.store.checkpoint)
     served_name: str
     profile_name: str
     precision: str  # the profile's weight precision tag (bf16, fp8, int4_wo, ...)

@@ -6,17 +6,15 @@ command explains and acts on the same decision.
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-
 from service.config import Settings
-from service.engine.config import PRECISION_TAGS
-from service.engine.models.config import ModelConfig
-from service.engine.models.modelopt import HF_QUANT_CONFIG, checkpoint_quantization
+from service.engine.config import PRECISION_TAGS, UnsupportedConfigError
+from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.modelopt import HF_QUANT_CONFIG
 from service.engine.models.quant import QuantizationError
 from service.engine.registry import ENGINES, available_engines
 from service.selection.hardware import SystemInfo, detect_system, load_system
@@ -32,21 +30,29 @@ from service.selection.profiles import (
     load_manifests,
     select,
 )
+from service.store.checkpoint import (
+    CONFIG_FILE,
+    Checkpoint,
+    inspect_hub_config,
+    inspect_local,
+    with_local_weights,
+)
 from service.store.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, download_artifact
 from service.store.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
     ModelSource,
-    check_model_dir,
-    check_model_file,
     default_served_name,
     embedded_model_path,
     looks_like_hub_id,
     read_store_descriptor,
-    source_in_directory,
 )
 
 log = logging.getLogger(__name__)
+
+# What planning fetches of a hub checkpoint without a shipped manifest (the safetensors headers are
+# then read over HTTP ranges).
+HUB_INSPECTION_FILES = (CONFIG_FILE, HF_QUANT_CONFIG)
 
 
 def current_system(settings: Settings) -> SystemInfo:
@@ -70,63 +76,73 @@ def policy_for(settings: Settings) -> Policy:
 
 def manifest_for(settings: Settings) -> Manifest:
     """The model's shipped manifest, or generic profiles derived from its local config."""
+    return _manifest_and_checkpoint(settings)[0]
+
+
+def _manifest_and_checkpoint(settings: Settings) -> tuple[Manifest, Checkpoint | None]:
+    """The manifest, and the checkpoint inspected on the way where one was (a local path, a model
+    store, or a hub id without a shipped manifest); None: inspected once its files are fetched."""
     name = settings.model_name
     manifests = load_manifests()
     if name is None:
         found = find_manifest("embedded", manifests)
         assert found is not None, "profiles/ must ship the embedded model's manifest"
-        return found
+        return found, None
     path = Path(name).expanduser()
-    store = read_store_descriptor(path) if path.is_dir() else None
+    store = read_store_descriptor(path) if path.is_dir() else None  # the one "is it a model store?"
     if store is not None:
-        return _store_manifest(store, path, manifests)
+        return _store_manifest(store, path, manifests), _inspect(lambda: inspect_local(path, store))
     found = find_manifest(name, manifests)
     if found is not None:
-        return found
+        return found, None
     served = settings.served_model_name or default_served_name(name)
-    if path.is_file():
-        check_model_file(path)  # refuses pickles and anything but .gguf
-        config = ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
-        return generic_manifest(served, str(path), _architecture(config), path.stat().st_size * 4)
-    if path.is_dir():
-        check_model_dir(path)
-        raw_config = json.loads((path / "config.json").read_text())
-        config = ModelConfig.from_hf_config(raw_config)
-        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return _generic_for_checkpoint(served, str(path), path, raw_config, config, weights, measured=True)
+    if path.exists():
+        checkpoint = _inspect(lambda: inspect_local(path))
+        return _generic_for_checkpoint(served, str(path), checkpoint), checkpoint
     if looks_like_hub_id(name):
-        # No manifest and nothing local: generic torch profiles sized once the config is fetched.
+        # No manifest and nothing local: generic torch profiles sized from the config and the
+        # safetensors headers (read over HTTP ranges; no weight is downloaded).
         config_dir = download_artifact(
-            ArtifactSpec(name, "main", allow_patterns=("config.json", HF_QUANT_CONFIG)),
+            ArtifactSpec(name, "main", allow_patterns=HUB_INSPECTION_FILES),
             settings.cache_path / "hub",
             token=_token(settings),
             offline=settings.hf_hub_offline,
         )
-        raw_config = json.loads((config_dir / "config.json").read_text())
-        config = ModelConfig.from_hf_config(raw_config)
-        weights = _estimate_weights_bytes(config)
-        return _generic_for_checkpoint(served, name, config_dir, raw_config, config, weights, measured=False)
+        checkpoint = _inspect(
+            lambda: inspect_hub_config(
+                config_dir, name, token=_token(settings), offline=settings.hf_hub_offline
+            )
+        )
+        return _generic_for_checkpoint(served, name, checkpoint), checkpoint
     raise ModelNotFoundError(
         f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id (org/name)"
     )
 
 
-def _generic_for_checkpoint(
-    served: str,
-    repo: str,
-    directory: Path,
-    raw_config: dict,
-    config: ModelConfig,
-    weights: int,
-    measured: bool,
-) -> Manifest:
-    """Generic profiles for an HF checkpoint; a ModelOpt one serves its own precision only.
-    `weights`: the files' size when `measured`, else a bf16 estimate from the shapes."""
+def _inspect(inspection: Callable[[], Checkpoint]) -> Checkpoint:
+    """A checkpoint this release cannot serve is a ProfileError (one line), as selection reports it."""
     try:
-        quantized = checkpoint_quantization(directory, raw_config)
+        return inspection()
     except QuantizationError as error:
         raise ProfileError(str(error)) from error
-    arch = _architecture(config)
+
+
+def _generic_for_checkpoint(served: str, repo: str, checkpoint: Checkpoint) -> Manifest:
+    """Generic profiles for a checkpoint nobody wrote a manifest for; a ModelOpt one serves its own
+    precision only. Sized from the tensor headers: an unquantized checkpoint (or a GGUF file, whose
+    blocks are dequantized) at bf16 for every element, a ModelOpt one at its stored bytes; a hub
+    checkpoint whose headers could not be read at bf16 from the config's shapes."""
+    arch = _architecture(checkpoint.config)
+    quantized = checkpoint.quantization
+    tensors = checkpoint.tensors
+    if tensors is None:
+        weights, measured = _estimate_weights_bytes(checkpoint.config), False
+    elif quantized is None:
+        weights, measured = tensors.elements * 2, True
+    else:
+        weights, measured = tensors.nbytes, True
+    if checkpoint.model_format == "gguf":
+        return generic_manifest(served, repo, arch, weights)
     if quantized is None:
         return generic_manifest(served, repo, arch, weights, trtllm_precisions=("bf16",))
     size_precision = quantized.precision if measured else "bf16"
@@ -179,6 +195,7 @@ class Plan:
     system: SystemInfo
     manifest: Manifest
     selection: Selection
+    checkpoint: Checkpoint | None = None  # inspected in planning; None: once its files are fetched
 
     @property
     def profile(self) -> Profile:
@@ -187,9 +204,9 @@ class Plan:
 
 def make_plan(settings: Settings) -> Plan:
     system = current_system(settings)
-    manifest = manifest_for(settings)
+    manifest, checkpoint = _manifest_and_checkpoint(settings)
     selection = select(manifest, system, policy_for(settings), settings.model_profile)
-    return Plan(system, manifest, selection)
+    return Plan(system, manifest, selection, checkpoint)
 
 
 def fetch_profile(profile: Profile, settings: Settings, *, progress: bool = True) -> Path:
@@ -215,16 +232,33 @@ def fetch_profile(profile: Profile, settings: Settings, *, progress: bool = True
 
 
 def model_source(plan: Plan, settings: Settings) -> ModelSource:
-    """What the engine loads for the plan's profile."""
-    path = fetch_profile(plan.profile, settings)
+    """What the engine loads for the plan's profile: its files fetched, the checkpoint inspected
+    once (in planning where it could be, else here)."""
+    planned = plan.checkpoint
+    if planned is not None and planned.is_model_store:
+        checkpoint = planned  # everything is here already
+    else:
+        path = fetch_profile(plan.profile, settings)
+        try:
+            checkpoint = _checkpoint_at(path, planned)
+        except (QuantizationError, UnsupportedModelError) as error:
+            raise UnsupportedConfigError(f"profile {plan.profile.name}: {error}") from error
     served = settings.served_model_name or (
         EMBEDDED_MODEL_NAME
         if plan.profile.source.repo == "embedded"
         else default_served_name(settings.model_name)
     )
-    if path.is_file():
-        return ModelSource("gguf", path, served)
-    return source_in_directory(path, served)
+    return ModelSource(checkpoint, served)
+
+
+def _checkpoint_at(path: Path, planned: Checkpoint | None) -> Checkpoint:
+    """The planned inspection where it describes `path` (a hub checkpoint's config snapshot gains
+    its downloaded weight files), else an inspection of `path`."""
+    if planned is None or planned.path != path:
+        return inspect_local(path)
+    if planned.model_format == "hf_dir" and not planned.weight_files:
+        return with_local_weights(planned)
+    return planned
 
 
 def served_name(settings: Settings) -> str:

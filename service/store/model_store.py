@@ -23,7 +23,10 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from service.store.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,19 @@ class PickledCheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: Literal["gguf", "hf_dir"]
-    path: Path
+    """What the engine loads: the checkpoint, inspected once (service.store.checkpoint), and the
+    name the API serves it under."""
+
+    checkpoint: Checkpoint
     served_name: str
+
+    @property
+    def kind(self) -> Literal["gguf", "hf_dir"]:
+        return self.checkpoint.model_format
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
 
 
 def embedded_model_path(store: Path = REPO_MODEL_STORE) -> Path:
@@ -118,14 +131,6 @@ def check_model_file(path: Path) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ModelNotFoundError(f"{path} is not a .gguf file; name a .gguf file or a model directory")
     return path
-
-
-def source_in_directory(path: Path, served: str) -> ModelSource:
-    """A Hugging Face model directory, or a model store whose single GGUF file is the model."""
-    ggufs = sorted(path.glob("*.gguf"))
-    if (path / STORE_DESCRIPTOR).is_file() and len(ggufs) == 1 and not (path / "config.json").exists():
-        return ModelSource("gguf", ggufs[0], served)
-    return ModelSource("hf_dir", check_model_dir(path), served)
 
 
 def read_store_descriptor(path: Path) -> dict | None:

@@ -220,8 +220,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_directory(cls, path: str | Path) -> Tokenizer:
+    def from_directory(cls, path: str | Path, hf_config: Mapping[str, Any] | None = None) -> Tokenizer:
         """Load a Hugging Face model directory's fast tokenizer (`tokenizer.json`) and chat template.
+
+        `hf_config`: the directory's config.json as already parsed (a checkpoint's inspection,
+        service.store.checkpoint), whose eos_token_id counts when there is no generation_config.json;
+        read from the directory when not given.
 
         `tokenizer.json` decides whether BOS/EOS are added (as transformers does when it exists);
         `clean_up_tokenization_spaces` is ignored, so decoding is an exact inverse of the vocabulary.
@@ -250,7 +254,7 @@ class Tokenizer:
 
         generation = _read_json(path / "generation_config.json")
         if not generation:  # transformers derives the generation config from config.json then
-            generation = _read_json(path / "config.json")
+            generation = dict(hf_config) if hf_config is not None else _read_json(path / "config.json")
         eos = token_id("eos_token")
         stops = [*([eos] if eos is not None else []), *_id_list(generation.get("eos_token_id"))]
         vocab = backend.get_vocab(with_added_tokens=True)

@@ -10,14 +10,12 @@ ones). A setting TensorRT-LLM cannot honour is refused at start in one line.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.lora_store import LoraStore
-from service.engine.models.config import ModelConfig
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
 from service.engine.trtllm.api import TrtllmApi, TrtllmUnavailableError, import_api
 from service.engine.trtllm.engine import TrtllmEngine
@@ -39,8 +37,8 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     except TrtllmUnavailableError as exc:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {exc}") from exc
     check_config(config, api)
-    model_config = ModelConfig.from_hf_config(json.loads((config.model_path / "config.json").read_text()))
-    tokenizer = Tokenizer.from_directory(config.model_path)
+    model_config = config.checkpoint.config
+    tokenizer = Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
     kwargs = engine_kwargs(config, api) if config.build_engine else llm_kwargs(config, api)
     adapters = None
     if config.lora is not None and config.lora.source is not None:
