@@ -3,9 +3,9 @@
 Tiny random float32 checkpoints written by transformers (per-expert tensor names, as
 save_pretrained writes them) are loaded through the engine's loader; logits of a few prompts match
 transformers' to 1e-4 and ten greedy tokens are equal. The real server serves the Qwen3-MoE one and
-answers with transformers' greedy tokens; settings MoE models do not run yet (a quantized precision,
-tensor parallelism) stop the start with one line naming the model and the setting (LoRA:
-tests/test_moe_lora.py).
+answers with transformers' greedy tokens; settings MoE models do not run yet (a quantized precision)
+stop the start with one line naming the model and the setting (tensor parallelism:
+tests/test_moe_tp.py; LoRA: tests/test_moe_lora.py).
 """
 
 from __future__ import annotations
@@ -176,10 +176,6 @@ def test_the_server_answers_with_transformers_greedy_tokens(qwen3_moe: Path, tmp
     ("env", "setting"),
     [
         ({"NIM_MODEL_PROFILE": "torch-generic-int8_wo-tp1-pp1-throughput"}, "precision int8_wo"),
-        (
-            {"NIM_MODEL_PROFILE": "torch-generic-fp32-tp2-pp1-throughput", "NIM_TENSOR_PARALLEL_SIZE": "2"},
-            "tensor parallelism (NIM_TENSOR_PARALLEL_SIZE=2)",
-        ),
     ],
 )
 def test_unsupported_settings_stop_the_start_in_one_line(

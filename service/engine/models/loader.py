@@ -25,6 +25,7 @@ from safetensors import safe_open
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.modelopt import checkpoint_quantization, read_quantized
+from service.engine.models.moe import per_expert
 from service.engine.models.quant import (
     Int4Weight,
     QuantizationError,
@@ -119,7 +120,7 @@ def load_hf_dir(path: Path, precision: str) -> tuple[ModelConfig, Iterator[tuple
     files = _safetensors_files(path)
     quant = checkpoint_quantization(path, raw_config)
     if quant is None:
-        return config, quantize_at_load(_read_safetensors(files), precision, config)
+        return config, quantize_at_load(per_expert(_read_safetensors(files)), precision, config)
     if quant.precision != precision:
         raise QuantizationError(
             f"{path} is a ModelOpt {quant.quant_algo} checkpoint: it serves as {quant.precision}, "
@@ -147,7 +148,9 @@ def _read_safetensor_shards(files: list[Path], layout: TPLayout) -> Iterator[tup
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 split = layout.split_of(name)
                 if split is None or split[0] == "bias":  # replicated (or rank 0's bias): small
-                    yield name, layout.shard(name, handle.get_tensor(name))
+                    # (a layer's stacked experts are read whole, then each expert sliced)
+                    for part, tensor in per_expert([(name, handle.get_tensor(name))]):
+                        yield part, layout.shard(part, tensor)
                     continue
                 how, start, stop = split
                 stored = handle.get_slice(name)  # reads only the bytes indexed below

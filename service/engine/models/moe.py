@@ -12,8 +12,11 @@ Experts are held stacked as transformers 5 holds them (``mlp.experts.gate_up_pro
 (``mlp.experts.E.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``) and stacks
 them layer by layer.
 
-For now these models run float weights on one rank without LoRA (the engine refuses the rest at
-start), and the scripted CPU decode runs them eagerly (`llama_stack` is None).
+Under tensor parallelism (service.engine.models.tensor_parallel) each expert is split over its
+intermediate dimension: a rank holds every expert's gate/up rows and down columns of its share,
+routes every token itself (the router is replicated) and one all-reduce of the weighted routed sum
+completes the layer. LoRA adapts the attention projections only (`linear_layers` names no expert).
+The scripted CPU decode runs these models eagerly (`llama_stack` is None).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import Tensor, nn
 
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.llama import LlamaForCausalLM, Reduce
 from service.engine.models.quant import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -44,6 +47,33 @@ _PROJECTIONS = {
     "w3": "up",
     "w2": "down",
 }
+# transformers 5's stacked experts of one layer: (layer prefix, which).
+_STACKED_EXPERTS = re.compile(
+    r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
+)
+
+
+def per_expert(
+    weights: Iterable[tuple[str, Tensor | QuantizedWeight]],
+) -> Iterator[tuple[str, Tensor | QuantizedWeight]]:
+    """`weights` with each stacked expert tensor (transformers 5: ``mlp.experts.gate_up_proj``
+    [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) given as the per-expert tensors Hub
+    checkpoints hold (``mlp.experts.E.{gate,up,down}_proj.weight``, views), so that sharding and
+    quantizing at load see one [N, K] weight per projection; the rest as given."""
+    for name, tensor in weights:
+        match = _STACKED_EXPERTS.fullmatch(name)
+        if match is None or not isinstance(tensor, Tensor) or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        prefix, which = match.groups()
+        for expert, weight in enumerate(tensor.unbind(0)):
+            where = f"{prefix}.mlp.experts.{expert}"
+            if which == "down_proj":
+                yield f"{where}.down_proj.weight", weight
+                continue
+            gate, up = weight.chunk(2)
+            yield f"{where}.gate_proj.weight", gate
+            yield f"{where}.up_proj.weight", up
 
 
 class Experts(nn.Module):
@@ -99,6 +129,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.reduce: Reduce | None = None  # set by MoeForCausalLM.use_tensor_parallel
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
@@ -117,7 +148,10 @@ class SparseMoeBlock(nn.Module):
         expanded = x.repeat_interleave(self.top_k, dim=0)  # [T*k, H]
         outputs = self.experts.forward(expanded, expert_ids.reshape(-1))  # [T*k, H]
         weighted = outputs * weights.reshape(-1, 1)
-        return weighted.view(tokens, self.top_k, -1).sum(dim=1)
+        routed = weighted.view(tokens, self.top_k, -1).sum(dim=1)
+        # Tensor-parallel: each rank's experts hold a slice of the intermediate dimension; the
+        # sum of the ranks' weighted partial outputs is the layer's output.
+        return routed if self.reduce is None else self.reduce(routed)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -141,9 +175,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         return None
 
     def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None:
-        raise UnsupportedModelError(
-            f"{self.config.architecture} (mixture of experts) does not run tensor-parallel yet"
-        )
+        """As LlamaForCausalLM's, with one all-reduce after each routed layer's weighted sum."""
+        super().use_tensor_parallel(collectives, layout)
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.reduce = collectives.all_reduce
 
     @torch.no_grad()
     def load_weights(

@@ -10,12 +10,21 @@ Layout over `size` ranks (rank r of `size`):
 | o_proj (columns of its heads)  | row-parallel            | all-reduce of the outputs     |
 | gate_proj, up_proj (rows)      | column-parallel         | -                             |
 | down_proj (columns)            | row-parallel            | all-reduce of the outputs     |
+| each expert's gate, up (rows)  | column-parallel         | -                             |
+| each expert's down (columns)   | row-parallel            | all-reduce of the routed sum  |
+| router (mlp.gate)              | replicated              | -                             |
 | embed_tokens (vocab rows)      | vocab-parallel          | all-reduce of the lookups     |
 | lm_head (vocab rows)           | vocab-parallel          | all-gather of the logits      |
 | norms                          | replicated              | -                             |
 
 (*) With fewer kv heads than ranks, each rank holds the one kv head its query heads read
 (replicated across the ranks that share it).
+
+A mixture-of-experts layer (service.engine.models.moe) splits every expert over its intermediate
+dimension, as a dense MLP is split: each rank holds all experts' slices, routes every token itself
+(the router is replicated and sees the same all-reduced input on every rank, so every rank picks
+the same experts), and sums its partial expert outputs, weighted; one all-reduce of that sum
+completes the layer, as one all-reduce completes a dense MLP's down_proj.
 
 Row-parallel biases are held by rank 0 only (zeros elsewhere), so the all-reduce adds them once. A
 vocabulary that does not divide is padded to `size` equal slices with zero rows; their logits are
@@ -45,8 +54,19 @@ from service.util import cdiv
 Weight = Tensor | QuantizedWeight
 
 _PROJECTION = re.compile(
-    r"model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj)\.(?P<kind>weight|bias)"
+    r"model\.layers\.\d+\.(?:self_attn\.(?P<attn>[qkvo])_proj|mlp\.(?P<mlp>gate|up|down)_proj"
+    r"|(?:mlp|block_sparse_moe)\.experts\.\d+\.(?P<expert>gate_proj|up_proj|down_proj|w1|w3|w2))"
+    r"\.(?P<kind>weight|bias)"
 )
+# An expert's projection -> its dense MLP counterpart (Mixtral's w1/w3/w2 are gate/up/down).
+_EXPERT_MLP = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,8 @@ class TPLayout:
             problems.append(f"{config.num_kv_heads} kv heads (neither divides the other)")
         if config.intermediate_size % size:
             problems.append(f"intermediate size {config.intermediate_size}")
+        if config.num_experts and config.moe_intermediate_size % size:
+            problems.append(f"expert intermediate size {config.moe_intermediate_size}")
         if problems:
             raise UnsupportedModelError(
                 f"tensor parallelism {size} does not divide this model's {', '.join(problems)}"
@@ -95,6 +117,10 @@ class TPLayout:
         return self.config.intermediate_size // self.size
 
     @property
+    def moe_intermediate(self) -> int:
+        return self.config.moe_intermediate_size // self.size
+
+    @property
     def vocab(self) -> int:
         """Rows of the vocabulary this rank holds (the last ranks' padded with zero rows)."""
         return cdiv(self.config.vocab_size, self.size)
@@ -109,6 +135,7 @@ class TPLayout:
             num_heads=self.heads,
             num_kv_heads=self.kv_heads,
             intermediate_size=self.intermediate,
+            moe_intermediate_size=self.moe_intermediate,
             vocab_size=self.vocab,
         )
 
@@ -122,6 +149,9 @@ class TPLayout:
         if match is None:
             return None  # norms (model.norm, input/post_attention_layernorm, q_norm/k_norm)
         attn, mlp, kind = match["attn"], match["mlp"], match["kind"]
+        inter = self.intermediate
+        if match["expert"] is not None:
+            mlp, inter = _EXPERT_MLP[match["expert"]], self.moe_intermediate
         if attn == "q":
             start = self.rank * self.heads * head_dim
             return "rows", start, start + self.heads * head_dim
@@ -129,12 +159,12 @@ class TPLayout:
             start = self.kv_head_start * head_dim
             return "rows", start, start + self.kv_heads * head_dim
         if mlp in ("gate", "up"):
-            start = self.rank * self.intermediate
-            return "rows", start, start + self.intermediate
+            start = self.rank * inter
+            return "rows", start, start + inter
         # o_proj / down_proj: row-parallel (their input dimension is split)
         if kind == "bias":
             return "bias", 0, 0
-        width = self.heads * head_dim if attn == "o" else self.intermediate
+        width = self.heads * head_dim if attn == "o" else inter
         start = self.rank * width
         return "columns", start, start + width
 

@@ -135,9 +135,9 @@ def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str,
 
 
 def check_experts(config: EngineConfig) -> None:
-    """Mixture-of-experts models run float weights on one rank for now (LoRA on their attention
-    projections; lora.py refuses adapters on experts): refuse any other setting in one line,
-    before anything loads (a dense model passes)."""
+    """Mixture-of-experts models run float weights for now (on one rank or tensor-parallel; LoRA
+    on their attention projections, lora.py refuses adapters on experts): refuse a quantized
+    precision in one line, before anything loads (a dense model passes)."""
     if config.model_format != "hf_dir":
         return  # GGUF: ModelConfig.from_gguf refuses the MoE architectures (none is registered)
     try:
@@ -146,15 +146,10 @@ def check_experts(config: EngineConfig) -> None:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     if model_config.num_experts == 0:
         return
-    setting = None
     if config.precision not in FLOAT_PRECISIONS:
-        setting = f"precision {config.precision}"
-    elif config.tensor_parallel_size > 1:
-        setting = f"tensor parallelism (NIM_TENSOR_PARALLEL_SIZE={config.tensor_parallel_size})"
-    if setting is not None:
         raise UnsupportedConfigError(
             f"profile {config.profile_name}: {model_config.architecture} is a mixture-of-experts model; "
-            f"{setting} is not supported for it yet: choose a float, one-GPU profile"
+            f"precision {config.precision} is not supported for it yet: choose a float profile"
         )
 
 
