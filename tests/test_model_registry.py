@@ -20,6 +20,7 @@ import transformers
 from service.engine.models import registry
 from service.engine.models.base import CausalLM
 from service.engine.models.config import (
+    FAMILIES,
     SUPPORTED_GGUF_ARCHITECTURES,
     SUPPORTED_HF_ARCHITECTURES,
     ModelConfig,
@@ -57,7 +58,9 @@ def test_every_supported_architecture_maps_to_a_model_class() -> None:
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
+        "Gemma3ForCausalLM",
     }
+    assert set(FAMILIES) == set(SUPPORTED_HF_ARCHITECTURES.values())  # one config reading per family
     assert list(SUPPORTED_HF_ARCHITECTURES) == list(registry.ARCHITECTURES)  # ModelConfig reads it
     assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3")
     for name, entry in registry.ARCHITECTURES.items():
@@ -80,17 +83,32 @@ def test_reading_the_registry_imports_no_model_code() -> None:
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type() -> None:
+    assert ModelConfig.from_hf_config({**_TINY, "model_type": "gemma3_text"}).architecture == "gemma3"
+    assert ModelConfig.from_hf_config({**_TINY, "model_type": "qwen2"}).architecture == "qwen2"
+
+
 def test_an_unknown_architecture_is_refused_in_one_line() -> None:
     with pytest.raises(UnsupportedModelError) as refused:
-        ModelConfig.from_hf_config({**_TINY, "architectures": ["Gemma3ForCausalLM"]})
+        ModelConfig.from_hf_config({**_TINY, "architectures": ["PhiForCausalLM"]})
     message = str(refused.value)
     assert "\n" not in message
     assert message == (
-        "architecture Gemma3ForCausalLM is not supported; supported: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"
+        "architecture PhiForCausalLM is not supported; supported: LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+        "Gemma3ForCausalLM"
     )
-    with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported; supported: LlamaForCausalLM"):
-        registry.model_class("gemma3")
+    with pytest.raises(UnsupportedModelError, match="'phi' is not supported; supported: LlamaForCausalLM"):
+        registry.model_class("phi")
+
+
+def test_a_known_but_unserved_architecture_is_refused_with_its_reason() -> None:
+    with pytest.raises(UnsupportedModelError) as refused:
+        ModelConfig.from_hf_config({**_TINY, "architectures": ["Gemma3ForConditionalGeneration"]})
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("Gemma3ForConditionalGeneration (Gemma 3 with vision, gemma-3-4b and up)")
+    assert "language_model.*" in message
 
 
 def test_built_models_enumerate_their_linear_layers(tmp_path: Path) -> None:

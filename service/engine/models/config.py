@@ -9,6 +9,7 @@ not discovered as garbage output later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,24 +22,8 @@ SUPPORTED_HF_ARCHITECTURES: dict[str, str] = registry.HF_FAMILIES  # HF name -> 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = registry.GGUF_ARCHITECTURES
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3")
 
-# HF config classes' own defaults for keys a config.json may omit.
+# HF config classes' own default for a rope_theta a config.json omits (most families').
 _DEFAULT_THETA = 10_000.0
-_DEFAULT_RMS_NORM_EPS = {
-    "llama": 1e-6,
-    "mistral": 1e-6,
-    "qwen2": 1e-6,
-    "qwen3": 1e-6,
-    "qwen3_moe": 1e-6,
-    "mixtral": 1e-5,
-}
-_DEFAULT_MAX_POSITIONS = {
-    "llama": 2048,
-    "mistral": 4096 * 32,
-    "qwen2": 32768,
-    "qwen3": 32768,
-    "qwen3_moe": 32768,
-    "mixtral": 4096 * 32,
-}
 
 
 class UnsupportedModelError(ValueError):
@@ -47,7 +32,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
+    architecture: str  # a family of registry.ARCHITECTURES: "llama", "qwen3_moe", "gemma3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,7 +52,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # checkpoint dtype from config.json ("bfloat16", ...); None for GGUF
-    # Recorded but NOT implemented: attention is full causal. Only matters past the window.
+    # Recorded but NOT implemented (Mistral, Mixtral, Qwen with use_sliding_window): those models
+    # attend fully, exact only while the context fits the window (loading caps it there).
     sliding_window: int | None = None
     attention_output_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True)
     mlp_bias: bool = False  # bias on gate/up/down (llama mlp_bias=True)
@@ -83,6 +69,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Implemented sliding-window attention (Gemma 3): per layer, the window it attends over (the
+    # query at p sees keys p - window < j <= p) or None for a full-attention layer; () where every
+    # layer attends fully. Windowed layers rotate with `rope_local_theta` and no scaling.
+    layer_windows: tuple[int | None, ...] = ()
+    rope_local_theta: float | None = None
+    attention_scale: float | None = None  # the factor on q·k; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -97,6 +90,13 @@ class ModelConfig:
                 f"{self.head_dim // 2}"
             )
 
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise UnsupportedModelError(f"sliding windows must be at least 1, got {self.layer_windows}")
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -109,33 +109,23 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json`` (transformers 4.x or 5.x layout)."""
         architecture = _hf_architecture(cfg)
-        hidden_act = cfg.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; only 'silu'")
+        family = FAMILIES[architecture]
+        hidden_act = cfg.get(family.activation_key, family.activation)
+        if hidden_act != family.activation:
+            raise UnsupportedModelError(
+                f"{family.activation_key} {hidden_act!r} is not supported for {architecture}; "
+                f"only {family.activation!r}"
+            )
 
         hidden_size = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            # Qwen3Config defaults head_dim to 128 rather than deriving it.
-            head_dim = 128 if architecture == "qwen3" else hidden_size // num_heads
-        max_positions = int(cfg.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[architecture])
+        head_dim = cfg.get("head_dim") or family.head_dim or hidden_size // num_heads
+        max_positions = int(cfg.get("max_position_embeddings") or family.max_positions)
 
-        rope_theta, rope_scaling = _hf_rope(cfg, max_positions)
-
-        if architecture == "qwen2":
-            attention_bias, attention_output_bias, mlp_bias = True, False, False
-        elif architecture in ("mistral", "mixtral"):
-            attention_bias, attention_output_bias, mlp_bias = False, False, False
-        elif architecture in ("qwen3", "qwen3_moe"):
-            attention_bias = attention_output_bias = bool(cfg.get("attention_bias", False))
-            mlp_bias = False
-        else:  # llama
-            attention_bias = attention_output_bias = bool(cfg.get("attention_bias", False))
-            mlp_bias = bool(cfg.get("mlp_bias", False))
-
-        sliding_window = _hf_sliding_window(cfg, architecture, max_positions)
+        rope_theta, rope_scaling = family.rope(cfg, max_positions, family.rope_theta)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False)) if family.mlp_bias is None else family.mlp_bias
 
         eos = cfg.get("eos_token_id")
         eos_token_ids = (
@@ -152,20 +142,21 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS[architecture])),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", family.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=architecture in ("qwen3", "qwen3_moe"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tie_word_embeddings)),
+            attention_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            qk_norm=family.qk_norm,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_token_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=sliding_window,
-            attention_output_bias=attention_output_bias,
+            sliding_window=_hf_sliding_window(cfg, family, max_positions),
+            attention_output_bias=attention_bias if family.o_bias is None else family.o_bias,
             mlp_bias=mlp_bias,
-            **_hf_experts(cfg, architecture),
+            hidden_act=hidden_act,
+            **family.extra(cfg),
         )
 
     @classmethod
@@ -255,27 +246,27 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
         if name in SUPPORTED_HF_ARCHITECTURES:
             return SUPPORTED_HF_ARCHITECTURES[name]
     model_type = cfg.get("model_type")
-    if not architectures and model_type in SUPPORTED_HF_ARCHITECTURES.values():
-        return str(model_type)
+    if not architectures and model_type in registry.HF_MODEL_TYPES:
+        return registry.HF_MODEL_TYPES[model_type]
     described = ", ".join(architectures) if architectures else f"model_type {model_type!r}"
     raise UnsupportedModelError(registry.unsupported(described))
 
 
-def _hf_experts(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config (HF config classes' defaults
-    for keys it omits); none for a dense family."""
+def _mixtral_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's mixture-of-experts fields (MixtralConfig's defaults for keys it omits): every
+    layer routed, top-k renormalised."""
+    return {
+        "num_experts": int(cfg.get("num_local_experts", 8)),
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+        "moe_intermediate_size": int(cfg["intermediate_size"]),
+        "norm_topk_prob": True,
+        "sparse_layers": tuple(range(int(cfg["num_hidden_layers"]))),
+    }
+
+
+def _qwen3_moe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's mixture-of-experts fields (Qwen3MoeConfig's defaults for keys it omits)."""
     layers = int(cfg["num_hidden_layers"])
-    if architecture == "mixtral":
-        num_experts = int(cfg.get("num_local_experts", 8))
-        return {
-            "num_experts": num_experts,
-            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
-            "moe_intermediate_size": int(cfg["intermediate_size"]),
-            "norm_topk_prob": True,
-            "sparse_layers": tuple(range(layers)),
-        }
-    if architecture != "qwen3_moe":
-        return {}
     # Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th.
     num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -290,13 +281,69 @@ def _hf_experts(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
     }
 
 
-def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's windowed layers, local RoPE base and attention scale (Gemma3TextConfig's
+    defaults for keys it omits); what it sets that this engine does not compute is refused."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise UnsupportedModelError(f"gemma3 with {name}={cfg[name]} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("gemma3 with use_bidirectional_attention is not supported")
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != layers:
+        raise UnsupportedModelError(f"gemma3 layer_types {layer_types} are not supported")
+    window = cfg.get("sliding_window", 4096)
+    if window is None and "sliding_attention" in layer_types:
+        raise UnsupportedModelError("gemma3 has sliding_attention layers but no sliding_window")
+    params = cfg.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if _per_layer_type(params) else None
+    if local is not None and (local.get("rope_type") or local.get("type") or "default") != "default":
+        raise UnsupportedModelError(f"gemma3 sliding-attention rope {local} is not supported; only default")
+    local_theta = (local or {}).get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0
+    return {
+        "layer_windows": tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+        "rope_local_theta": float(local_theta),
+        "attention_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+    }
+
+
+def _gemma3_rope(
+    cfg: dict[str, Any], max_positions: int, default_theta: float
+) -> tuple[float, dict[str, Any] | None]:
+    """The full-attention layers' rope: transformers 5's rope_parameters["full_attention"] or 4.x's
+    rope_theta and rope_scaling; plain or linear scaling only (what Gemma 3 checkpoints use)."""
+    params = cfg.get("rope_parameters") or {}
+    if _per_layer_type(params):
+        cfg = {"rope_parameters": params.get("full_attention") or {}}
+    theta, scaling = _hf_rope(cfg, max_positions, default_theta)
+    if scaling is not None and scaling["rope_type"] != "linear":
+        raise UnsupportedModelError(
+            f"gemma3 rope scaling type {scaling['rope_type']!r} is not supported; supported: linear"
+        )
+    return theta, scaling
+
+
+def _per_layer_type(params: dict[str, Any]) -> bool:
+    """Whether rope parameters are given per layer type (transformers 5's Gemma 3 form)."""
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def _hf_rope(
+    cfg: dict[str, Any], max_positions: int, default_theta: float = _DEFAULT_THETA
+) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers 5's ``rope_parameters`` or 4.x's
     ``rope_theta`` and ``rope_scaling``."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
+    if _per_layer_type(params):
         raise UnsupportedModelError("per-layer-type rope parameters are not supported")
-    rope_theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_THETA)
+    rope_theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
     partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
     if partial is not None and float(partial) != 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
@@ -323,15 +370,73 @@ def _hf_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, dict[str, 
     return rope_theta, scaling
 
 
-def _hf_sliding_window(cfg: dict[str, Any], architecture: str, max_positions: int) -> int | None:
-    if architecture in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+def _hf_sliding_window(cfg: dict[str, Any], family: Family, max_positions: int) -> int | None:
+    """The recorded (not implemented) window: None where it never applies or covers the context."""
+    if family.sliding_window == "never":
         return None
-    if architecture == "llama":
+    if family.sliding_window == "when_enabled" and not cfg.get("use_sliding_window", False):
         return None
-    window = cfg.get("sliding_window", 4096 if architecture == "mistral" else None)
+    window = cfg.get("sliding_window", family.default_window)
     if window is None or int(window) >= max_positions:
         return None
     return int(window)
+
+
+def _no_extra(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+RopeReader = Callable[[dict[str, Any], int, float], tuple[float, dict[str, Any] | None]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's config.json reads into ModelConfig: its HF config class's defaults for keys a
+    config.json omits (save_pretrained leaves out values equal to them), and what the family fixes."""
+
+    rms_norm_eps: float
+    max_positions: int
+    head_dim: int | None = None  # when omitted; None: hidden_size // num_attention_heads
+    activation: str = "silu"  # the one MLP activation accepted
+    activation_key: str = "hidden_act"
+    qkv_bias: bool | None = None  # None: the config's attention_bias (False when omitted)
+    o_bias: bool | None = None  # None: the config's attention_bias
+    mlp_bias: bool | None = False  # None: the config's mlp_bias
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    # The recorded window: "never", "when_enabled" (use_sliding_window) or "always".
+    sliding_window: str = "never"
+    default_window: int | None = None  # sliding_window when the config omits it
+    rope_theta: float = _DEFAULT_THETA
+    rope: RopeReader = _hf_rope
+    extra: Callable[[dict[str, Any]], dict[str, Any]] = _no_extra  # family-only fields
+
+
+# One entry per family of registry.ARCHITECTURES.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(1e-6, 2048, mlp_bias=None),
+    "mistral": Family(
+        1e-6, 4096 * 32, qkv_bias=False, o_bias=False, sliding_window="always", default_window=4096
+    ),
+    "qwen2": Family(1e-6, 32768, qkv_bias=True, o_bias=False, sliding_window="when_enabled"),
+    "qwen3": Family(1e-6, 32768, head_dim=128, qk_norm=True, sliding_window="when_enabled"),
+    "qwen3_moe": Family(1e-6, 32768, qk_norm=True, sliding_window="when_enabled", extra=_qwen3_moe_experts),
+    "mixtral": Family(
+        1e-5, 4096 * 32, qkv_bias=False, o_bias=False, sliding_window="always", extra=_mixtral_experts
+    ),
+    "gemma3": Family(
+        1e-6,
+        131_072,
+        head_dim=256,
+        activation="gelu_pytorch_tanh",
+        activation_key="hidden_activation",
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rope=_gemma3_rope,
+        extra=_gemma3_fields,
+    ),
+}
 
 
 def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict[str, Any] | None:
