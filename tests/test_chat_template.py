@@ -146,3 +146,44 @@ def test_template_errors_are_one_line():
 
 def test_strftime_now():
     assert ChatTemplate("{{ strftime_now('%Y') }}").render(HI) == str(datetime.date.today().year)
+
+
+GEMMA3_CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  Name a colour. \n"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+    ],
+    [
+        {"role": "system", "content": [{"type": "text", "text": "Sys as parts"}]},
+        {"role": "user", "content": [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", GEMMA3_CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma3_template_matches_transformers(hf, messages, add_generation_prompt):
+    """google/gemma-3-1b-it's template: the system message folded into the first user turn,
+    assistant turns as "model", text parts trimmed and joined."""
+    from tests.test_model_gemma3 import GEMMA3_TEMPLATE
+
+    ours = ChatTemplate(GEMMA3_TEMPLATE).render(messages, add_generation_prompt, SPECIAL_TOKENS)
+    ref = hf.apply_chat_template(
+        messages, chat_template=GEMMA3_TEMPLATE, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert ours == ref
+    assert ours.startswith("<|im_start|><start_of_turn>user\n")
+
+
+def test_gemma3_template_refuses_roles_that_do_not_alternate(hf):
+    from tests.test_model_gemma3 import GEMMA3_TEMPLATE
+
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(Exception, match="Conversation roles must alternate"):
+        reference(hf, GEMMA3_TEMPLATE, messages)
+    with pytest.raises(ChatTemplateError) as info:
+        ChatTemplate(GEMMA3_TEMPLATE).render(messages)
+    assert str(info.value) == "Conversation roles must alternate user/assistant/user/assistant/..."
