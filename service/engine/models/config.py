@@ -3,6 +3,8 @@
 ``ModelConfig`` is the one description the model code builds from, whatever the checkpoint format.
 Everything the Llama-family implementation needs to differ by family (attention biases, q/k norm,
 rope scaling, tied embeddings) is an explicit field here, so the model never looks at family names.
+How each family's config.json reads (its config class's defaults, what the family fixes, its own
+fields) is one `Family` entry in `FAMILIES`: adding a family is an entry there, not a branch.
 Anything this code cannot run faithfully is refused with ``UnsupportedModelError`` at config time,
 not discovered as garbage output later.
 """

@@ -23,6 +23,7 @@ so CPU decode steps run eagerly (the engine logs why).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -43,6 +44,14 @@ from service.engine.models.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from service.engine.models.base import CausalLM
+
+
+@functools.cache
+def _embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) as transformers applies it: a float32 tensor cast to the activations'
+    dtype. A Python number (exactly that value) multiplies the same in every dtype's op math, and
+    adds no host-to-device copy to a CUDA graph."""
+    return float(torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype))
 
 
 class GemmaRMSNorm(nn.Module):
@@ -132,9 +141,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """input_ids, positions: [T] int64, a flat token batch -> final-norm hidden states [T, hidden]."""
         hidden = self._embed(input_ids)  # [T, hidden]
-        # transformers holds the factor as a float32 tensor and casts it to the weights' dtype.
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(hidden.dtype)
-        hidden = hidden * scale.to(hidden.device)
+        hidden = hidden * _embedding_scale(self.config.hidden_size, hidden.dtype)
         full = self.rotary.for_positions(positions, hidden.dtype)
         local = self.local_rotary.for_positions(positions, hidden.dtype)
         for layer in self._gemma_layers():
