@@ -33,6 +33,12 @@ def test_embedded_model_is_found_without_network(tmp_path: Path) -> None:
     assert source.served_name == EMBEDDED_MODEL_NAME
     assert source.path == embedded_model_path()
     assert source.path.stat().st_size > 90_000_000
+    # inspected once on the way: its config and tensor sizes from the GGUF headers, no store
+    checkpoint = source.checkpoint
+    assert checkpoint.config.architecture == "llama" and not checkpoint.is_model_store
+    assert checkpoint.tensors is not None
+    assert 90_000_000 < checkpoint.tensors.nbytes < source.path.stat().st_size
+    assert 134_000_000 < checkpoint.tensors.elements < 135_000_000  # SmolLM2-135M: a tied head counts once
 
 
 def test_install_embedded_places_the_file(tmp_path: Path) -> None:
