@@ -172,6 +172,8 @@ def test_the_config_reads_windows_ropes_and_scale(checkpoint: Path) -> None:
     assert config.attention_scale == pytest.approx(24**-0.5)
     assert config.tie_word_embeddings and config.qk_norm and config.hidden_act == "gelu_pytorch_tanh"
     assert config.sliding_window is None  # the recorded-only window, which would cap the context
+    # Configs key caches (lora.adaptable): one with rope scaling hashes too (the dict is left out).
+    assert hash(config) == hash(dataclasses.replace(config, rope_scaling=dict(config.rope_scaling or {})))
 
 
 def test_a_transformers_4_config_reads_the_same() -> None:
@@ -472,3 +474,34 @@ def test_the_server_chats_with_gemmas_template(checkpoint: Path, tmp_path: Path)
     assert bad.status_code == 400, bad.text
     assert "Conversation roles must alternate user/assistant/user/assistant/..." in bad.text
     assert "CPU decode steps run eagerly: the model's layers are not the Llama shape" in log
+
+
+def test_a_lora_adapter_answers_as_its_merged_weights(checkpoint: Path, tmp_path: Path) -> None:
+    """LoRA wraps Gemma's linear layers by (layer, role) as it wraps Llama's: an adapter on all
+    seven projections answers with transformers' greedy tokens over the merged weights W + s * B @ A."""
+    from tests.test_lora_serving import _merged, write_adapter
+
+    config, _ = load_hf_dir(checkpoint, "fp32")
+    source = tmp_path / "adapters"
+    deltas = write_adapter(source / "gemma-adapter", config, seed=7, rank=8)
+    merged = _merged(checkpoint, deltas, tmp_path / "merged")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    prompt = "Once upon a time"
+    tokenizer = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    vocab, prompt_ids = tokenizer.get_vocab(), tokenizer.encode(prompt).ids
+    expected = _hf_greedy(reference, prompt_ids)
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert expected != _hf_greedy(base, prompt_ids)  # the adapter changes the answer
+    env = {"NIM_MODEL_PROFILE": FP32, "NIM_MODEL_NAME": str(checkpoint), "NIM_PEFT_SOURCE": str(source)}
+    with serving(tmp_path / "server.log", env) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(
+            model="gemma-adapter",
+            prompt=prompt,
+            max_tokens=STEPS,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+    tokens = out.choices[0].logprobs.tokens if out.choices[0].logprobs is not None else None
+    assert tokens is not None and [vocab[t] for t in tokens] == expected

@@ -11,6 +11,7 @@ not discovered as garbage output later.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,9 @@ class ModelConfig:
     rope_theta: float
     # HF form without rope_theta, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None means plain RoPE.
-    rope_scaling: dict[str, Any] | None
+    # Not hashed (a dict cannot be; equal configs still hash alike): configs key caches
+    # (lora.adaptable), and a Llama 3.1 or Gemma 3 config with scaling must hash too.
+    rope_scaling: dict[str, Any] | None = dataclasses.field(hash=False)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (qwen2; llama/qwen3 when attention_bias)
