@@ -23,7 +23,6 @@ import openai
 import pytest
 import tokenizers
 import torch
-import transformers
 
 from service.config import load_settings
 from service.engine.models.attention import CausalAttention
@@ -38,6 +37,13 @@ from service.serving import config_for
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import randomize
 from tests.test_tensor_parallel_serving import _distinct_tokens
+
+# Test-only: the reference implementation (transformers 5 writes Gemma 3's per-layer-type rope_parameters).
+transformers = pytest.importorskip(
+    "transformers",
+    minversion="5.0",
+    reason="Gemma 3 is checked against transformers >= 5's Gemma3ForCausalLM",
+)
 
 FP32 = "torch-generic-fp32-tp1-pp1-throughput"
 WINDOW = 8

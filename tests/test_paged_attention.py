@@ -1,4 +1,5 @@
-"""The paged KV pool and attention over it, checked against dense causal attention.
+"""The paged KV pool and attention over it, checked against dense causal attention (full, or over a
+sliding window, with the default or a given score scale).
 
 Tolerances: float32 caches match the dense reference to 1e-5; int8 / fp8 caches (per token and
 head scales) to a relative error stated per test.
