@@ -41,7 +41,7 @@ def test_refresh_lists_servable_adapters_and_says_why_others_are_not(tmp_path: P
 def test_slots_are_shared_reused_and_never_taken_from_running_requests(tmp_path: Path) -> None:
     store = store_with(tmp_path, ["a", "b", "c"])
     for name in ("a", "b", "c"):
-        store.prepare(name)
+        store.load(name)
     first = store.acquire("a")
     assert first.fill is not None and first.fill.name == "a"
     again = store.acquire("a")
@@ -62,25 +62,47 @@ def test_slots_are_shared_reused_and_never_taken_from_running_requests(tmp_path:
 def test_host_copies_are_bounded_least_recently_used_first(tmp_path: Path) -> None:
     store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=2)
     for name in ("a", "b", "c"):
-        store.prepare(name)
+        store.load(name)
     with pytest.raises(NotPreparedError, match="a is not in host memory"):
         store.acquire("a")  # evicted from host memory by c
-    store.prepare("a")
+    store.load("a")
     assert store.acquire("a").fill is not None
     with pytest.raises(UnknownAdapterError):
+        store.load("nope")
+
+
+def test_an_adapter_is_read_only_when_a_slot_could_take_it(tmp_path: Path) -> None:
+    """acquire says "no slot" before "not in host memory", so the engine reads an adapter only
+    when a slot is there for it; a slot that still holds an adapter evicted from host memory is
+    taken again without a read. prepare (the API's) only checks the name and reads nothing."""
+    store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=1)
+    store.prepare("b")
+    with pytest.raises(UnknownAdapterError):
         store.prepare("nope")
+    store.load("a")
+    held = store.acquire("a")
+    with pytest.raises(NoFreeSlotError):
+        store.acquire("b")  # never read: the one slot is held
+    store.load("c")  # a stays (held); host memory holds two until a's request ends
+    store.release(held.slot)
+    store.load("b")  # evicts a from host memory, a's slot still holds it
+    again = store.acquire("a")
+    assert again.slot == held.slot and again.fill is None
+    store.release(again.slot)
+    with pytest.raises(NotPreparedError):
+        store.acquire("c")  # evicted by b: the slot is free, the adapter must be read first
 
 
 def test_an_adapter_removed_while_in_use_serves_its_requests_to_the_end(tmp_path: Path) -> None:
     store = store_with(tmp_path, ["a", "b"], slots=1)
-    store.prepare("a")
+    store.load("a")
     held = store.acquire("a")
     shutil.rmtree(tmp_path / "loras" / "a")
     assert store.refresh().removed == ("a",)
     assert store.names() == ["b"]
     with pytest.raises(UnknownAdapterError):
         store.acquire("a")
-    store.prepare("b")
+    store.load("b")
     with pytest.raises(NoFreeSlotError):
         store.acquire("b")  # the one slot still serves a's request
     store.release(held.slot)
@@ -89,7 +111,7 @@ def test_an_adapter_removed_while_in_use_serves_its_requests_to_the_end(tmp_path
 
 def test_a_replaced_adapter_is_reread_and_old_slots_drain(tmp_path: Path) -> None:
     store = store_with(tmp_path, ["a"], slots=2)
-    store.prepare("a")
+    store.load("a")
     old = store.acquire("a")
     assert old.fill is not None
     before = old.fill.modules[(0, "q_proj")].a.clone()
@@ -127,7 +149,7 @@ def test_a_refused_adapter_is_reported_once_and_a_broken_replacement_stops_servi
     result = store.refresh()
     assert result.removed == ("good",) and store.names() == []
     with pytest.raises(UnknownAdapterError):
-        store.prepare("good")
+        store.load("good")
 
 
 def test_an_adapter_named_like_the_served_model_is_refused_once(tmp_path: Path) -> None:
@@ -222,23 +244,23 @@ def test_links_out_of_the_source_are_refused_and_logged_once(
 def test_an_adapter_whose_files_went_bad_after_leaving_host_memory_is_no_longer_served(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """prepare raises AdapterError with the reason, never the safetensors library's own error, for
+    """load raises AdapterError with the reason, never the safetensors library's own error, for
     files damaged after the adapter was listed; then the adapter is unknown, and the next rescan
     does not report the same files again."""
     store = store_with(tmp_path, ["a", "b", "c"], slots=1, host=1)
     for name in ("a", "c", "b"):
-        store.prepare(name)  # one host place: only b stays
+        store.load(name)  # one host place: only b stays
     truncate(tmp_path / "loras" / "a")
     (tmp_path / "loras" / "c" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": NaN}')
     with caplog.at_level("WARNING"):
         with pytest.raises(AdapterError, match=r"adapter a: adapter_model\.safetensors is .* truncated"):
-            store.prepare("a")
+            store.load("a")
         with pytest.raises(AdapterError, match=r"adapter c: .* positive lora_alpha .*, has nan"):
-            store.prepare("c")
+            store.load("c")
         assert store.names() == ["b"]
         for name in ("a", "c"):
             with pytest.raises(UnknownAdapterError, match=f"^adapter {name} is not served"):
-                store.prepare(name)
+                store.load(name)
         assert store.refresh().refused == ()
     assert sum("adapter a:" in r.getMessage() for r in caplog.records) == 1
 

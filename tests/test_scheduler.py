@@ -12,16 +12,22 @@ In the style of vLLM's scheduler and prefix-caching tests; CPU only, a few secon
 from __future__ import annotations
 
 import random
+import threading
 import zlib
 from array import array
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from service.engine.lora import LoraAdapter, read_adapter
+from service.engine.lora_store import LoraStore
+from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.protocol import SamplingParams
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.kv_cache_manager import KVCacheManager
+from service.engine.torch.lora_admission import LoraAdmission
 from service.engine.torch.request import Request, RequestStatus
 from service.engine.torch.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from service.util import cdiv
@@ -34,7 +40,11 @@ BS = 4  # block size for the hand-computed tests
 
 
 def make_request(
-    request_id: str, prompt: list[int], max_tokens: int = 4, prompt_logprobs: int | None = None
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    prompt_logprobs: int | None = None,
+    adapter: str | None = None,
 ) -> Request:
     return Request(
         request_id=request_id,
@@ -42,6 +52,7 @@ def make_request(
         num_prompt_tokens=len(prompt),
         sampling=SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs),
         arrival_time=0.0,
+        adapter=adapter,
     )
 
 
@@ -153,8 +164,17 @@ def check_schedule(sched: Scheduler, out: SchedulerOutput, running_before: list[
     if budget_left and not out.preempted:
         for chunk in out.chunks:
             assert chunk.completes, "a prefill chunk was cut short although budget was left"
-        if sched.waiting and len(sched.running) < config.max_num_seqs:
+        if (
+            sched.waiting
+            and len(sched.running) < config.max_num_seqs
+            and not waits_for_lora(sched.waiting[0])
+        ):
             assert not head_of_waiting_fits(sched, budget_left), "a waiting request that fits was left"
+
+
+def waits_for_lora(request: Request) -> bool:
+    """A request of an adapter without a slot: skipped while it waits for one (it keeps its place)."""
+    return request.adapter is not None and request.lora_slot == NO_ADAPTER
 
 
 @dataclass
@@ -1070,3 +1090,100 @@ def test_randomized_requests_with_arrivals_aborts_preemption_and_prefix_sharing(
     else:
         assert kv.prefix_hits == 0
     assert 100 < len(aborted) < num_requests // 2
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA device slots as a scheduler resource (real adapters, a real LoraStore)
+
+
+def lora_scheduler(
+    tmp_path: Path, names: list[str], slots: int, host: int
+) -> tuple[Scheduler, LoraAdmission, threading.Event]:
+    """A scheduler whose LoRA requests take `slots` device slots of a store over `names`; the
+    event is set whenever an adapter's read into host memory ends."""
+    from tests.test_lora import CONFIG, write_adapter
+
+    source = tmp_path / "loras"
+    for seed, name in enumerate(names):
+        write_adapter(source / name, seed=seed)
+
+    def reader(path: Path, name: str) -> LoraAdapter:
+        return read_adapter(path, name, CONFIG, max_rank=16)
+
+    store = LoraStore(source, reader, device_slots=slots, host_capacity=host)
+    store.refresh()
+    woken = threading.Event()
+    lora = LoraAdmission(store, woken.set)
+    kv = KVCacheManager(BlockPool(64), BS)
+    return Scheduler(SchedulerConfig(8, 64), kv, lora), lora, woken
+
+
+def test_a_lora_request_waits_in_the_queue_for_a_slot_and_the_requests_behind_it_go_on(
+    tmp_path: Path,
+) -> None:
+    sched, lora, _ = lora_scheduler(tmp_path, ["a", "b"], slots=1, host=2)
+    a1 = make_request("a1", prompt(1, 6), adapter="a")
+    b = make_request("b", prompt(2, 6), adapter="b")
+    a2 = make_request("a2", prompt(3, 6), adapter="a")
+    base = make_request("base", prompt(4, 6))
+    for request in (a1, b, a2, base):
+        sched.add(request)
+    first = step(sched)
+    assert [c.request for c in first.chunks] == [a1, a2, base]  # b waits; its adapter's slot is a's
+    assert list(sched.waiting) == [b] and b.lora_slot == NO_ADAPTER and b.num_computed_tokens == 0
+    assert a1.lora_slot == a2.lora_slot == 0 and base.lora_slot == NO_ADAPTER
+    assert [(slot, adapter.name) for slot, adapter in lora.take_fills()] == [(0, "a")]  # filled once
+    assert a1.cache_salt is not None and a1.cache_salt.startswith("lora:a:") and base.cache_salt is None
+    assert lora.store.running() == {"a": 2}
+    outs = run_to_completion(sched)
+    admitted = next(i for i, out in enumerate(outs) if b in [c.request for c in out.chunks])
+    assert all(r.status is RequestStatus.FINISHED for r in (a1, a2)) and admitted > 0
+    assert all(a1 not in [c.request for c in out.chunks] for out in outs[admitted:])  # after a's requests
+    assert [(slot, adapter.name) for slot, adapter in lora.take_fills()] == [(0, "b")]
+    assert lora.store.running() == {}  # every slot released with its request
+
+
+def test_an_adapter_is_read_off_the_step_thread_and_an_idle_scheduler_waits_for_it(tmp_path: Path) -> None:
+    sched, lora, woken = lora_scheduler(tmp_path, ["a", "b", "c"], slots=1, host=1)
+    lora.store.load("c")  # host memory holds c alone
+    request = make_request("r", prompt(1, 6), adapter="a")
+    sched.add(request)
+    out = sched.schedule()
+    assert not out.chunks and list(sched.waiting) == [request]
+    assert sched.stalled and not sched.has_work()  # the engine's loop sleeps until the read ends
+    assert woken.wait(10)
+    sched.wake()
+    assert sched.has_work()
+    out = sched.schedule()
+    assert [c.request for c in out.chunks] == [request] and request.lora_slot == 0
+    assert [adapter.name for _, adapter in lora.take_fills()] == ["a"]
+    sched.abort("r")
+    assert lora.store.running() == {}
+    lora.close()
+
+
+def test_requests_of_an_adapter_that_cannot_be_read_fail_with_the_reason(tmp_path: Path) -> None:
+    from tests.test_lora import truncate
+
+    sched, lora, woken = lora_scheduler(tmp_path, ["a", "b"], slots=1, host=1)
+    lora.store.load("b")  # a is out of host memory
+    truncate(tmp_path / "loras" / "a")  # and its file goes bad
+    doomed = [make_request(f"a{i}", prompt(i, 6), adapter="a") for i in range(2)]
+    base = make_request("base", prompt(9, 6))
+    for request in (*doomed, base):
+        sched.add(request)
+    out = sched.schedule()
+    assert [c.request for c in out.chunks] == [base]
+    failed = list(out.failed)  # those admitted after the read failed, if it was that quick
+    assert woken.wait(10)
+    sched.wake()
+    failed += sched.schedule().failed
+    assert sorted(r.request_id for r, _ in failed) == ["a0", "a1"] and not sched.waiting
+    for _, why in failed:
+        assert "LoRA adapter a cannot be loaded" in why and "adapter_model.safetensors is" in why
+    assert lora.store.names() == ["b"]
+    late = make_request("late", prompt(5, 6), adapter="a")
+    sched.add(late)
+    out = sched.schedule()
+    assert out.failed == [(late, "LoRA adapter a is no longer served")]
+    lora.close()

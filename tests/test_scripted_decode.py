@@ -1,12 +1,14 @@
 """CPU decode steps run as one TorchScript call (service/engine/torch/scripted_decode.py): its
 hidden states are bitwise those of the eager forward it stands in for, for every linear-layer kind
-and model variant it accepts; where it does not apply, decode steps run eagerly and say why."""
+and model variant it accepts; where it does not apply, decode steps run eagerly and the engine's
+decode path (service/engine/torch/decode_path.py, decided once at build) says why, once."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,7 +64,7 @@ class _BothPaths:
         self.runner, self.scripted = runner, runner.scripted
         self.equal: list[bool] = []
         self.in_place = 0  # steps whose lone decode read its blocks in place (else gathered)
-        runner.scripted = self  # type: ignore[assignment]
+        runner.path = replace(runner.path, scripted=self)  # type: ignore[arg-type]
 
     can_run = staticmethod(ScriptedDecoder.can_run)
 
@@ -138,15 +140,16 @@ def test_scripted_decode_matches_eager_on_the_embedded_model() -> None:
 
 @pytest.fixture
 def engine_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    with caplog.at_level(logging.INFO, logger="service.engine.torch.scripted_decode"):
+    with caplog.at_level(logging.INFO, logger="service.engine.torch.decode_path"):
         yield caplog
 
 
 def test_quantized_kv_cache_decodes_eagerly_and_says_why(engine_log: pytest.LogCaptureFixture) -> None:
     engine = _engine(kv_cache_dtype="int8")
     try:
-        assert engine.runner.scripted is None
+        assert engine.runner.scripted is None and engine.runner.path.kind == "eager"
         assert "CPU decode steps run eagerly: the int8 KV cache is dequantized" in engine_log.text
+        assert engine_log.text.count("decode steps") == 1  # decided and logged once
         _generate(engine, [list(range(3, 20))], max_tokens=4)  # and serves
     finally:
         asyncio.run(engine.stop())
@@ -157,6 +160,7 @@ def test_enforce_eager_turns_it_off(engine_log: pytest.LogCaptureFixture) -> Non
     try:
         assert engine.runner.scripted is None
         assert "TorchScript" not in engine_log.text
+        assert "CPU decode steps run eagerly: NIM_ENFORCE_EAGER=1" in engine_log.text
     finally:
         asyncio.run(engine.stop())
 
@@ -165,16 +169,16 @@ def test_lora_decodes_eagerly_and_says_why(
     checkpoints: dict[str, Path], tmp_path: Path, engine_log: pytest.LogCaptureFixture
 ) -> None:
     """The engine offers every CPU model to the scripted step, which refuses LoRA-wrapped
-    projections itself (one place decides, and logs the reason)."""
+    projections itself (with the reason the decode path logs)."""
     engine = _engine(
         model_name=str(checkpoints["llama-bias"]),
         model_profile="torch-generic-fp32-tp1-pp1-throughput",
         cache_path=str(tmp_path / "cache"),
     )
     try:
-        assert engine.runner.scripted is not None
+        assert engine.runner.scripted is not None and engine.runner.path.kind == "scripted"
+        assert "CPU decode steps run as one TorchScript call (compiled in" in engine_log.text
         LoraSlots.attach(engine.model, num_slots=1, max_rank=4)
-        assert ScriptedDecoder.build(engine.model, engine.kv_pool) is None
-        assert "CPU decode steps run eagerly: LoRA adapters wrap the projections" in engine_log.text
+        assert ScriptedDecoder.build(engine.model, engine.kv_pool) == "LoRA adapters wrap the projections"
     finally:
         asyncio.run(engine.stop())

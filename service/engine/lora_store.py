@@ -3,11 +3,15 @@
 Three tiers, each bounded:
 - known: every valid adapter under NIM_PEFT_SOURCE at the last scan (`refresh`); the names
   /v1/models lists and requests may name;
-- host: adapters read from disk (`prepare`, a blocking read meant for a worker thread, never the
+- host: adapters read from disk (`load`, a blocking read meant for a worker thread, never the
   step thread), at most NIM_MAX_CPU_LORAS, least recently used first out;
 - device: NIM_MAX_GPU_LORAS slots the batched LoRA term reads (service.engine.models.lora_ops);
-  `acquire` places a prepared adapter in a slot for a request (evicting the least recently used
-  adapter no request holds) and `release` returns it when the request ends.
+  `acquire` places an adapter in a slot for a request (evicting the least recently used adapter
+  no request holds) and `release` returns it when the request ends.
+
+One owner reads adapters into host memory: the engine's LoRA admission
+(service.engine.torch.lora_admission) calls `load` when a request of an adapter that is not in
+host memory could take a slot. The API only asks whether a name is served (`names`, `prepare`).
 
 Invariants: an adapter held by a request keeps its slot and its host copy until released; a slot
 holds at most one adapter; an adapter removed from the source at a refresh disappears from `known`
@@ -53,7 +57,7 @@ class NoFreeSlotError(RuntimeError):
 
 
 class NotPreparedError(RuntimeError):
-    """The adapter is known but not in host memory (never read, or evicted since): `prepare` it
+    """The adapter is known but not in host memory (never read, or evicted since): `load` it
     (off the step thread) and acquire again."""
 
 
@@ -250,9 +254,18 @@ class LoraStore:
     # --- host memory (off the step thread) -------------------------------------------------------
 
     def prepare(self, name: str) -> None:
-        """Make sure `name` is in host memory (reads it from disk if it is not); blocking. Raises
-        UnknownAdapterError when it is not served, AdapterError (with the reason) when its files
-        went bad since it was listed (it is then no longer served); nothing else."""
+        """Raise UnknownAdapterError (a KeyError) unless `name` is served now. Reads nothing: the
+        engine reads an adapter into host memory (`load`) when one of its requests can take a
+        device slot, so a request never waits on a read before it reaches the engine."""
+        with self._lock:
+            if name not in self._known:
+                raise UnknownAdapterError(name)
+
+    def load(self, name: str) -> None:
+        """Make sure `name` is in host memory (reads it from disk if it is not); blocking, for the
+        engine's LoRA reader thread. Raises UnknownAdapterError when it is not served,
+        AdapterError (with the reason) when its files went bad since it was listed (it is then no
+        longer served); nothing else."""
         with self._lock:
             version = self._known.get(name)
             if version is None:
@@ -285,22 +298,26 @@ class LoraStore:
     # --- device slots (the step thread) -----------------------------------------------------------
 
     def acquire(self, name: str) -> Placement:
-        """A slot holding `name` for one more request. Raises UnknownAdapterError (not served),
-        NotPreparedError (prepare it first) or NoFreeSlotError (every slot is held)."""
+        """A slot holding `name` for one more request: the slot that holds it already, else one no
+        request holds. Raises UnknownAdapterError (not served), NoFreeSlotError (it is in no slot
+        and every slot is held) or NotPreparedError (a slot is free but the adapter is not in host
+        memory: `load` it, then acquire again), in that order: an adapter is read only when a
+        slot could take it."""
         with self._lock:
             if name not in self._known:
                 raise UnknownAdapterError(name)
-            adapter = self._host.get(name)
-            if adapter is None:
-                raise NotPreparedError(f"LoRA adapter {name} is not in host memory")
-            self._host.move_to_end(name)
             version = ":".join(map(str, self._known[name]))
+            if name in self._host:
+                self._host.move_to_end(name)
             for index, slot in enumerate(self._slots):
                 if slot.name == name and not slot.stale:
                     slot.holders += 1
                     self._touch(index)
                     return Placement(index, None, version)
             index = self._free_slot()
+            adapter = self._host.get(name)
+            if adapter is None:
+                raise NotPreparedError(f"LoRA adapter {name} is not in host memory")
             self._slots[index] = _Slot(name, 1)
             self._touch(index)
             return Placement(index, adapter, version)

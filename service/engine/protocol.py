@@ -128,6 +128,44 @@ class RequestOutput:
     def failed(self) -> bool:
         return self.error is not None
 
+    @classmethod
+    def last(
+        cls,
+        request_id: str,
+        num_prompt_tokens: int,
+        *,
+        finish_reason: FinishReason | None = None,
+        error: str | None = None,
+        error_cause: ErrorCause = "engine",
+        text: str = "",
+        token_ids: list[int] | None = None,
+        num_generated_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        num_cached_tokens: int = 0,
+        time: float,
+    ) -> RequestOutput:
+        """A request's finished output: the one constructor of every ending (stop, length,
+        abort, error), which holds the invariant that exactly one of `finish_reason` and `error`
+        is given."""
+        if (finish_reason is None) == (error is None):
+            raise ValueError(f"request {request_id}: a finished output needs one of finish_reason or error")
+        return cls(
+            request_id=request_id,
+            text=text,
+            token_ids=[] if token_ids is None else token_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generated_tokens=num_generated_tokens,
+            finished=True,
+            finish_reason=finish_reason,
+            error=error,
+            error_cause=error_cause,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=num_cached_tokens,
+            time=time,
+        )
+
 
 @dataclass(frozen=True)
 class Histogram:
@@ -272,8 +310,9 @@ class AdapterCatalog(Protocol):
         ...
 
     def prepare(self, name: str) -> None:
-        """Have `name` ready to run (read from disk if it is not in memory): blocking, call it off
-        the event loop. Raises KeyError when no adapter of that name is served."""
+        """Raise KeyError unless an adapter of that name is served now. It reads nothing: the
+        engine reads an adapter into memory when a request of it can take a device slot (one
+        owner of "this adapter is in memory")."""
         ...
 
 

@@ -11,11 +11,17 @@ Step loop (all on the engine thread):
      its asyncio queue (the event loop is woken once, after the step's last delta); finished
      requests free their blocks at once; a stats snapshot is published for metering.
 
-LoRA: a request naming an adapter takes a device slot at admission (shared with the other
-requests of that adapter; the adapter's weights are copied in when the slot held another) and
-keeps it until it ends; while every slot is held by running requests of other adapters it waits,
-in arrival order, without holding KV blocks. Its prefix-cache hash chain is salted with the
-adapter and its version, so it never shares KV blocks with the base model or another adapter.
+LoRA: device slots are a scheduler resource (service.engine.torch.lora_admission): a request
+naming an adapter is admitted only with a slot holding it (shared with the other requests of
+that adapter; the adapter's weights are copied in when the slot held another) and keeps it until
+it ends; while every slot is held by requests of other adapters, or while its adapter is read
+into host memory, it waits in the queue without holding KV blocks. Its prefix-cache hash chain
+is salted with the adapter and its version, so it never shares KV blocks with the base model or
+another adapter.
+
+Beside this module: the step plan is built by service.engine.torch.planner, outputs by
+service.engine.torch.outputs, stats snapshots by service.engine.torch.engine_stats, and how
+decode steps run is decided once, at build, by service.engine.torch.decode_path.
 
 Endings: every request ends with exactly one finished output: finish_reason stop or length, or
 abort (the client left, or the server is stopping), or an `error` when the engine failed it.
@@ -35,24 +41,20 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from service.engine.config import GuidedLimits
-from service.engine.lora import LoraAdapter
-from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
+from service.engine.lora_store import LoraStore
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig
-from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     EngineDeadError,
     EngineInfo,
     EngineStats,
     ErrorCause,
-    FinishReason,
     GenerationRequest,
     RequestOutput,
     RequestRefusedError,
@@ -60,23 +62,25 @@ from service.engine.protocol import (
     TokenLogprob,
 )
 from service.engine.torch.block_pool import BlockPool
-from service.engine.torch.cuda_graphs import CudaGraphDecoder
+from service.engine.torch.decode_path import DecodeOptions, choose_decode_path
+from service.engine.torch.engine_stats import StatsPublisher
 from service.engine.torch.guided import GrammarCompiler, GrammarError
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
+from service.engine.torch.lora_admission import LoraAdmission
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.model_runner import ModelRunner, StepResult
+from service.engine.torch.outputs import LiveRequest, Sink, refuse
+from service.engine.torch.planner import StepPlanner
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from service.engine.torch.scripted_decode import ScriptedDecoder
-from service.engine.torch.step_plan import NewRequest, ScheduledSequence, StepPlan, build_plan
+from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.text.tokenizer import Tokenizer
 from service.util import one_line
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[RequestOutput], None]
 IDLE_POLL_SECONDS = 0.5
 
 
@@ -144,24 +148,11 @@ class TorchEngineConfig:
     enable_prefix_caching: bool
     device: torch.device
     dtype: torch.dtype
-    decode_kernel: bool = False  # decodes attend through the Triton paged kernel (CUDA)
-    cuda_graphs: bool = False  # decode steps replay CUDA graphs captured at start-up
-    scripted_decode: bool = False  # CPU decode-only steps run as one TorchScript call, where they can
+    # What the loader allows the decode path (service.engine.torch.decode_path decides it once):
+    decode_kernel: bool = False  # the Triton paged kernel runs here (CUDA)
+    cuda_graphs: bool = False  # decode steps may replay CUDA graphs captured at start-up
+    scripted_decode: bool = False  # CPU decode-only steps may run as one TorchScript call
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
-
-
-@dataclass
-class _Live:
-    """Engine-thread state of one request beside its scheduler state."""
-
-    request: Request
-    sink: Sink
-    output: OutputProcessor
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs_sent: bool = False
-    introduced: bool = False  # the runner has been sent its NewRequest
-    adapter: str | None = None  # the LoRA adapter it runs
-    slot: int = NO_ADAPTER  # the device slot it holds (while it holds one)
 
 
 @dataclass(frozen=True)
@@ -177,11 +168,8 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Wake:
-    """An adapter finished reading into host memory: requests parked on it may take a slot.
-    With `error`, it could not be read: requests parked on it fail with that reason."""
-
-    adapter: str
-    error: str | None = None
+    """A LoRA adapter's read into host memory ended: requests waiting on it may be admitted (or
+    fail, when it could not be read)."""
 
 
 @dataclass(frozen=True)
@@ -219,42 +207,40 @@ class TorchEngine:
         self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.kv_spec.block_size)
         self.kv_pool = KVPool(config.kv_spec, config.num_blocks, config.device)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv
+        self._inbox: queue.Queue[_Submit | _Abort | _Fail | _Wake | None] = queue.Queue()
+        self.lora = (
+            LoraAdmission(adapters, lambda: self._inbox.put(_Wake())) if adapters is not None else None
         )
-        graphs = None
-        if config.cuda_graphs:
-            graphs = CudaGraphDecoder(
-                model, self.kv_pool, config.max_num_seqs, config.max_model_len, config.device
-            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.lora
+        )
+        self.planner = StepPlanner(self.kv, self.lora)
+        self.stats_publisher = StatsPublisher(self.pool, self.kv, self.scheduler, lora=adapters is not None)
+        options = DecodeOptions(
+            kernel=config.decode_kernel,
+            graphs=config.cuda_graphs,
+            scripted=config.scripted_decode,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            tensor_parallel=tp_group is not None,
+        )
         self.runner = ModelRunner(
             model,
             self.kv_pool,
             config.device,
-            graphs,
-            config.decode_kernel,
+            choose_decode_path(model, self.kv_pool, config.device, options),
             followers=tp_group,
             lora=lora_slots,
             grammars=self._grammar_compiler if info.features.guided_decoding else None,
-            scripted=ScriptedDecoder.build(model, self.kv_pool) if config.scripted_decode else None,
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
-        self._slot_waiting: list[str] = []  # requests waiting for a LoRA slot, in arrival order
-        # Reads adapters evicted from host memory since the API prepared them, off this thread.
-        self._adapter_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
-        self._reading: set[str] = set()
-        self._slot_freed = False  # a parked request may fit now
-        self._lora_fills: list[tuple[int, LoraAdapter]] = []  # slots the next plan fills
-        self._live: dict[str, _Live] = {}
-        self._ended: list[str] = []  # requests whose runner state the next plan releases
-        self._inbox: queue.Queue[_Submit | _Abort | _Fail | _Wake | None] = queue.Queue()
+        self._live: dict[str, LiveRequest] = {}
         self._inbox_lock = threading.Lock()  # orders submissions against the engine dying
         self._thread: threading.Thread | None = None
         self._ready = False
         self._stopping = False
         self._failure: str | None = None
-        self._stats = EngineStats(kv_blocks_total=config.num_blocks)
         # One per event loop that submits requests (normally the server's one); weakly held, so a
         # loop that is closed and dropped (tests run many) takes its outbox with it.
         self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopOutbox] = (
@@ -320,7 +306,8 @@ class TorchEngine:
         self._ready = False
         if self.adapters is not None:
             self.adapters.stop_refreshing()
-            self._adapter_reader.shutdown(wait=False, cancel_futures=True)
+        if self.lora is not None:
+            self.lora.close()
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
@@ -390,7 +377,7 @@ class TorchEngine:
         self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return self.stats_publisher.snapshot
 
     # --- Engine thread ----------------------------------------------------------------------------
 
@@ -399,8 +386,7 @@ class TorchEngine:
         try:
             with torch.inference_mode():
                 while not self._stopping:
-                    parked_may_fit = bool(self._slot_waiting) and self._slot_freed
-                    self._drain_inbox(block=not (self.scheduler.has_work() or parked_may_fit))
+                    self._drain_inbox(block=not self.scheduler.has_work())
                     if self._stopping:
                         break
                     self._step()
@@ -428,7 +414,7 @@ class TorchEngine:
                         stranded.append(item)
         self._end_all(error=f"engine failure: {message}")
         for item in stranded:
-            self._refuse(item, f"engine failure: {message}")
+            refuse(item.request, item.sink, f"engine failure: {message}")
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
@@ -450,38 +436,22 @@ class TorchEngine:
         elif isinstance(item, _Fail):
             raise item.error
         elif isinstance(item, _Wake):
-            self._reading.discard(item.adapter)
-            self._slot_freed = True
-            if item.error is not None:
-                waiting_on = [r for r in self._slot_waiting if self._live[r].adapter == item.adapter]
-                for request_id in waiting_on:
-                    self._fail(request_id, item.error, "request")
+            self.scheduler.wake()
         elif isinstance(item, _Submit):
             try:
                 self._admit(item)
             except Exception as exc:  # a bad request must fail alone, never the step loop
                 log.warning("request %s refused at admission: %s", item.request.request_id, exc)
                 self._live.pop(item.request.request_id, None)
-                self._refuse(item, f"request could not be admitted: {one_line(exc)}")
+                refuse(item.request, item.sink, f"request could not be admitted: {one_line(exc)}")
         else:
             request = self.scheduler.abort(item.request_id)
             live = self._live.pop(item.request_id, None)
             if live is not None:
-                self._ended.append(item.request_id)
-                parked = item.request_id in self._slot_waiting
-                if parked:
-                    self._slot_waiting.remove(item.request_id)
-                self._release_slot(live)
-                if request is not None or parked:
-                    self._emit(live, "", [], finish_reason="abort")
-            self._publish_stats()
-
-    def _refuse(self, item: _Submit, message: str) -> None:
-        gen = item.request
-        num_prompt = len(gen.prompt_token_ids)
-        item.sink(
-            RequestOutput(gen.request_id, "", [], num_prompt, 0, True, error=message, time=time.monotonic())
-        )
+                self.planner.ended(item.request_id)
+                if request is not None:
+                    live.end()
+            self.stats_publisher.publish()
 
     def _admit(self, item: _Submit) -> None:
         gen = item.request
@@ -492,85 +462,21 @@ class TorchEngine:
             )
         if gen.request_id in self._live:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
-        if gen.adapter is not None and self.adapters is None:
-            raise ValueError(f"LoRA adapter {gen.adapter!r} requested, but this engine serves none")
         output = OutputProcessor(self.tokenizer, gen.sampling, num_prompt, self.config.max_model_len)
-        request = Request.from_generation(gen)
-        live = _Live(
-            request=request,
-            sink=item.sink,
-            output=output,
-            prompt_logprobs=[None] if gen.sampling.prompt_logprobs is not None else None,
-            adapter=gen.adapter,
-        )
-        self._live[gen.request_id] = live
-        if gen.adapter is not None and not self._take_slot(live):
-            self._slot_waiting.append(gen.request_id)
-            return
-        self.scheduler.add(request)
-
-    def _take_slot(self, live: _Live) -> bool:
-        """Give `live` a device slot holding its adapter; False when it must wait (every slot is
-        held, or the adapter is being read back into host memory). Raises UnknownAdapterError
-        when the adapter is no longer served."""
-        assert self.adapters is not None and self.runner.lora is not None and live.adapter is not None
-        try:
-            placement = self.adapters.acquire(live.adapter)
-        except NoFreeSlotError:
-            return False
-        except NotPreparedError:
-            self._read_adapter(live.adapter)
-            return False
-        if placement.fill is not None:  # copied in by the next plan's runner (every rank)
-            self._lora_fills.append((placement.slot, placement.fill))
-            log.info("LoRA adapter %s loaded into device slot %d", live.adapter, placement.slot)
-        live.slot = placement.slot
-        live.request.cache_salt = f"lora:{live.adapter}:{placement.version}"
-        return True
-
-    def _release_slot(self, live: _Live) -> None:
-        if live.slot != NO_ADAPTER:
-            assert self.adapters is not None
-            self.adapters.release(live.slot)
-            live.slot = NO_ADAPTER
-            self._slot_freed = True
-
-    def _read_adapter(self, name: str) -> None:
-        """Read `name` back into host memory on the reader thread; wake the step loop when done."""
-        if name in self._reading:
-            return
-        self._reading.add(name)
-        assert self.adapters is not None
-
-        def done(reading: Future[None]) -> None:
-            error = None if reading.cancelled() else reading.exception()
-            why = f"LoRA adapter {name} cannot be loaded: {one_line(error)}" if error is not None else None
-            self._inbox.put(_Wake(name, why))
-
-        self._adapter_reader.submit(self.adapters.prepare, name).add_done_callback(done)
-
-    def _admit_parked(self) -> None:
-        """Requests waiting for a LoRA slot take the slots freed (in arrival order); requests of
-        an adapter already in a slot join it; requests of an adapter no longer served fail."""
-        self._slot_freed = False
-        for request_id in list(self._slot_waiting):
-            live = self._live[request_id]
-            try:
-                placed = self._take_slot(live)
-            except UnknownAdapterError:  # removed from the source (or found bad) while it waited
-                self._fail(request_id, f"LoRA adapter {live.adapter} is no longer served", "request")
-                continue
-            if placed:
-                self._slot_waiting.remove(request_id)
-                self.scheduler.add(live.request)
+        request = Request.from_generation(gen, tuple(sorted(output.stop_token_ids)))
+        self.scheduler.add(request)  # refuses an adapter where none is served
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        if gen.sampling.prompt_logprobs is not None:
+            prompt_logprobs = [None]
+        self._live[gen.request_id] = LiveRequest(request, item.sink, output, prompt_logprobs)
 
     def _step(self) -> None:
         started = time.perf_counter()
-        if self._slot_waiting:
-            self._admit_parked()
         scheduled = self.scheduler.schedule()
+        for request, why in scheduled.failed:  # their LoRA adapter cannot run
+            self._fail(request.request_id, why, "request")
         if not scheduled.chunks:
-            self._publish_stats()
+            self.stats_publisher.publish()
             return
         plan = self._plan(scheduled)
         result = self.runner.execute(plan)
@@ -583,41 +489,10 @@ class TorchEngine:
             for outbox in outboxes:
                 holding.enter_context(outbox.held())
             self._apply(plan, result)
-        self._publish_stats(plan, time.perf_counter() - started)
+        self.stats_publisher.publish(plan, time.perf_counter() - started)
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
-        sequences: list[ScheduledSequence] = []
-        new_requests: list[NewRequest] = []
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            live = self._live[request.request_id]
-            if not live.introduced:
-                live.introduced = True
-                new_requests.append(
-                    NewRequest(
-                        request_id=request.request_id,
-                        prompt_token_ids=tuple(request.token_ids[: request.num_prompt_tokens]),
-                        sampling=request.sampling,
-                        end_token_ids=tuple(sorted(live.output.stop_token_ids)),
-                    )
-                )
-            sequences.append(
-                ScheduledSequence(
-                    request_id=request.request_id,
-                    token_ids=request.token_ids,
-                    start=chunk.start,
-                    num_tokens=chunk.num_tokens,
-                    block_table=self.kv.block_table(request),
-                    sample=chunk.completes,
-                    prompt_logits=request.sampling.prompt_logprobs is not None
-                    and chunk.start < request.num_prompt_tokens,
-                    adapter_slot=live.slot,
-                )
-            )
-        ended, self._ended = tuple(self._ended), []
-        fills, self._lora_fills = tuple(self._lora_fills), []
-        cleared, self.kv.to_clear = tuple(self.kv.to_clear), []
-        return build_plan(sequences, self.kv.block_size, tuple(new_requests), ended, fills, cleared)
+        return self.planner.plan(scheduled)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         for request_id, entries in result.prompt_logprobs.items():
@@ -630,8 +505,7 @@ class TorchEngine:
             live = self._live.get(request_id)
             if live is None:
                 continue  # aborted while the step ran, or its row failed
-            request = live.request
-            request.token_ids.append(token.token_id)
+            live.request.token_ids.append(token.token_id)
             try:
                 text, reason = live.output.process(token.token_id)
             except Exception as exc:  # its detokenizer or stop strings: this request alone fails
@@ -640,18 +514,15 @@ class TorchEngine:
                 continue
             if reason is not None:
                 self._end(live)
-            logprobs = [token.logprob] if token.logprob else None
-            self._emit(live, text, [token.token_id], reason, logprobs, now)
+            live.send(text, [token.token_id], reason, [token.logprob] if token.logprob else None, now)
 
-    def _end(self, live: _Live, discard: bool = False) -> None:
-        """`live` is done: its blocks and slot are freed now (with `discard`, its blocks are also
-        unpublished and zeroed before reuse); the runner forgets it next step."""
+    def _end(self, live: LiveRequest, discard: bool = False) -> None:
+        """`live` is done: its blocks and LoRA slot are freed now (with `discard`, its blocks are
+        also unpublished and zeroed before reuse); the runner forgets it next step."""
         request_id = live.request.request_id
-        if self.scheduler.abort(request_id, discard) is None and request_id in self._slot_waiting:
-            self._slot_waiting.remove(request_id)
+        self.scheduler.abort(request_id, discard)
         del self._live[request_id]
-        self._release_slot(live)
-        self._ended.append(request_id)
+        self.planner.ended(request_id)
 
     def _fail(self, request_id: str, message: str, cause: ErrorCause, discard: bool = False) -> None:
         """End one request with an error; the step, the batch and the engine go on."""
@@ -660,107 +531,16 @@ class TorchEngine:
             return
         log.warning("request %s failed: %s", request_id, message)
         self._end(live, discard)
-        request = live.request
-        live.sink(
-            RequestOutput(
-                request_id=request_id,
-                text="",
-                token_ids=[],
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_generated_tokens=request.num_generated,
-                finished=True,
-                error=message,
-                error_cause=cause,
-                num_cached_tokens=request.num_cached_tokens,
-                time=time.monotonic(),
-            )
-        )
-
-    def _emit(
-        self,
-        live: _Live,
-        text: str,
-        token_ids: list[int],
-        finish_reason: FinishReason | None,
-        logprobs: list[TokenLogprob] | None = None,
-        now: float | None = None,
-    ) -> None:
-        request = live.request
-        prompt_logprobs = None
-        if live.prompt_logprobs is not None and not live.prompt_logprobs_sent:
-            prompt_logprobs, live.prompt_logprobs_sent = live.prompt_logprobs, True
-        live.sink(
-            RequestOutput(
-                request_id=request.request_id,
-                text=text,
-                token_ids=token_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_generated_tokens=request.num_generated,
-                finished=finish_reason is not None,
-                finish_reason=finish_reason,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                num_cached_tokens=request.num_cached_tokens,
-                time=time.monotonic() if now is None else now,
-            )
-        )
+        live.end(message, cause)
 
     def _end_all(self, error: str | None = None) -> None:
         """End every request in flight: failed with `error`, else aborted (the server is stopping)."""
         now = time.monotonic()
         for live in list(self._live.values()):
             self.scheduler.abort(live.request.request_id)
-            self._release_slot(live)
-            request = live.request
-            live.sink(
-                RequestOutput(
-                    request_id=request.request_id,
-                    text="",
-                    token_ids=[],
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_generated_tokens=request.num_generated,
-                    finished=True,
-                    finish_reason="abort" if error is None else None,
-                    error=error,
-                    num_cached_tokens=request.num_cached_tokens,
-                    time=now,
-                )
-            )
+            live.end(error, now=now)
         self._live.clear()
-        self._slot_waiting.clear()
-        self._publish_stats()
-
-    def _publish_stats(self, plan: StepPlan | None = None, seconds: float = 0.0) -> None:
-        """A new immutable snapshot for metering (readers on other threads see one or the other)."""
-        stats = self._stats
-        if plan is not None:
-            stats = replace(
-                stats,
-                num_steps=stats.num_steps + 1,
-                step_tokens=stats.step_tokens.observe(plan.num_tokens),
-                step_sequences=stats.step_sequences.observe(plan.num_sequences),
-                step_seconds=stats.step_seconds.observe(seconds),
-            )
-        lora_running: tuple[str, ...] = ()
-        lora_waiting: tuple[str, ...] = ()
-        if self.adapters is not None:
-            running = set(self.scheduler.running)
-            by_state: dict[bool, set[str]] = {True: set(), False: set()}
-            for live in self._live.values():
-                if live.adapter is not None:
-                    by_state[live.request in running].add(live.adapter)
-            lora_running, lora_waiting = tuple(sorted(by_state[True])), tuple(sorted(by_state[False]))
-        self._stats = replace(
-            stats,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._slot_waiting),
-            lora_running=lora_running,
-            lora_waiting=lora_waiting,
-            kv_blocks_used=self.pool.num_blocks - self.pool.num_free,
-            prefix_queries=self.kv.prefix_queries,
-            prefix_hits=self.kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        self.stats_publisher.publish()
 
     # --- Start-up -----------------------------------------------------------------------------------
 
@@ -784,5 +564,4 @@ class TorchEngine:
             self.pool.reset_cache()
             self.kv.prefix_queries = self.kv.prefix_hits = 0
             self.scheduler.num_preemptions = 0
-        self._stats = EngineStats(kv_blocks_total=self.config.num_blocks)
-        self._publish_stats()
+        self.stats_publisher.reset()

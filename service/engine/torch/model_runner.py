@@ -14,7 +14,7 @@ itself (the forward pass: device, collective, memory) propagates and fails the e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from service.engine.models.base import CausalLM
 from service.engine.protocol import ErrorCause, TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
+from service.engine.torch.decode_path import DecodeAttention, DecodePath
 from service.engine.torch.guided import GrammarCompiler, GuidedRow
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.lora_slots import LoraSlots
@@ -97,20 +98,16 @@ class ModelRunner:
         model: CausalLM,
         pool: KVPool,
         device: torch.device,
-        decode_graphs: CudaGraphDecoder | None = None,
-        decode_kernel: bool = False,
+        path: DecodePath,
         followers: Followers | None = None,
         lora: LoraSlots | None = None,
         grammars: Callable[[], GrammarCompiler] | None = None,
-        scripted: ScriptedDecoder | None = None,
     ) -> None:
-        if followers is not None and decode_graphs is not None:
+        if followers is not None and path.graphs is not None:
             raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
         self.model = model
         self.followers = followers  # tensor parallelism: the other ranks, sent each plan first
-        self.decode_kernel = decode_kernel  # decodes attend through the Triton paged kernel
-        self.decode_graphs = decode_graphs  # decode-only steps replay a captured graph
-        self.scripted = scripted  # CPU decode-only steps run as one TorchScript call
+        self.path = path  # how decode steps run (decided when the engine was built)
         self.pool = pool
         self.device = device
         self.lora = lora  # the model's adapter slots, when it serves LoRA adapters
@@ -124,6 +121,27 @@ class ModelRunner:
     @property
     def num_live_requests(self) -> int:
         return len(self._rows)
+
+    @property
+    def decode_graphs(self) -> CudaGraphDecoder | None:
+        """The CUDA graphs decode-only steps replay (the cuda-graphs path), else None."""
+        return self.path.graphs
+
+    @property
+    def scripted(self) -> ScriptedDecoder | None:
+        """The TorchScript decode step (the scripted path), else None."""
+        return self.path.scripted
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether eager decodes attend through the Triton paged kernel."""
+        return self.path.attention is DecodeAttention.KERNEL
+
+    @decode_kernel.setter
+    def decode_kernel(self, kernel: bool) -> None:
+        """Switch the eager decodes' attention (tests compare the kernel with the gather path)."""
+        attention = DecodeAttention.KERNEL if kernel else DecodeAttention.GATHER
+        self.path = replace(self.path, attention=attention)
 
     def prepare_step(self, plan: StepPlan) -> None:
         """Every rank, before the step: zero the KV blocks the plan clears and copy the adapters
@@ -151,8 +169,9 @@ class ModelRunner:
                     failed[new.request_id] = RowFailure(why, "request")
         if not plan.request_ids:
             return StepResult([], {}, failed)
-        if self.decode_graphs is not None and not plan.adapted and self.decode_graphs.can_run(plan):
-            logits = self.decode_graphs.run(plan)  # [S, V]: every sequence decodes and samples
+        graphs = self.path.graphs
+        if graphs is not None and not plan.adapted and graphs.can_run(plan):
+            logits = graphs.run(plan)  # [S, V]: every sequence decodes and samples
             spans = [(i, i + 1) for i in range(plan.num_sequences)]
         else:
             if self.followers is not None:
@@ -297,8 +316,9 @@ class ModelRunner:
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [T]
         meta = self._metadata(plan)
-        if self.scripted is not None and self.scripted.can_run(meta):
-            return self.scripted(ids, pos, meta)
+        scripted = self.path.scripted
+        if scripted is not None and scripted.can_run(meta):
+            return scripted(ids, pos, meta)
         attention = PagedAttention(self.pool, meta, self.num_heads, self.head_dim)
         hidden: torch.Tensor = self.model(ids, pos, attention)  # [T, H]
         return hidden
@@ -312,12 +332,13 @@ class ModelRunner:
             context_lens = plan.context_lens[:num_decodes]
             width = cdiv(max(context_lens), self.block_size)
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-            if self.decode_kernel:
+            if self.path.attention is DecodeAttention.KERNEL:
                 scratch = self.pool.scratch_block
                 rows = [list(t) + [scratch] * (width - len(t)) for t in plan.block_tables[:num_decodes]]
                 tables = torch.tensor(rows, dtype=torch.long, device=device)  # [B, N]
             else:
-                run = self._block_run(plan.block_tables[0]) if num_decodes == 1 else None
+                in_place = num_decodes == 1 and self.path.in_place_runs
+                run = _block_run(plan.block_tables[0]) if in_place else None
                 if run is None:
                     decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
                 mask = decode_mask(lens, width * self.block_size, self.dtype)
@@ -349,22 +370,21 @@ class ModelRunner:
             decode_block_run=run,
         )
 
-    def _block_run(self, table: tuple[int, ...]) -> tuple[int, int] | None:
-        """(first, count) when `table` is one ascending run of blocks in a pool of the activations'
-        dtype (read in place); None otherwise (gathered)."""
-        if self.pool.scales is not None or self.pool.data[0].dtype != self.dtype:
-            return None
-        if table[-1] - table[0] != len(table) - 1:
-            return None
-        first = table[0]
-        if any(block != first + i for i, block in enumerate(table)):
-            return None
-        return first, len(table)
-
     def _blocks(self, tables: tuple[tuple[int, ...], ...], width: int) -> torch.Tensor:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""
         padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
         return self.pool.head_block_ids(torch.tensor(padded, dtype=torch.long, device=self.device))
+
+
+def _block_run(table: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first, count) when `table` is one ascending run of blocks (read in place); None otherwise
+    (gathered)."""
+    if table[-1] - table[0] != len(table) - 1:
+        return None
+    first = table[0]
+    if any(block != first + i for i, block in enumerate(table)):
+        return None
+    return first, len(table)
 
 
 _CONSTRAINT_NAMES = {

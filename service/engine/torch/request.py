@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.block_pool import BlockHash, hash_block, root_hash
 
@@ -22,6 +23,9 @@ class Request:
     Invariant: `num_computed_tokens <= len(token_ids)`; when they are equal the request needs a
     new token sampled; otherwise the next step computes (part of) the remainder. After a
     preemption `num_computed_tokens` is 0 and the request is recomputed from its tokens.
+
+    A request of a LoRA `adapter` holds `lora_slot` from its admission to its end (across
+    preemptions); the scheduler takes the slot (service.engine.torch.lora_admission).
     """
 
     request_id: str
@@ -29,6 +33,9 @@ class Request:
     num_prompt_tokens: int
     sampling: SamplingParams
     arrival_time: float
+    end_token_ids: tuple[int, ...] = ()  # its stop tokens (masked while under min_tokens)
+    adapter: str | None = None  # the LoRA adapter it runs (None: the base model)
+    lora_slot: int = NO_ADAPTER  # the device slot holding its adapter, while it holds one
     cache_salt: str | None = None  # what besides the tokens changes their KV (an adapter)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -37,13 +44,15 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_generation(cls, request: GenerationRequest) -> Request:
+    def from_generation(cls, request: GenerationRequest, end_token_ids: tuple[int, ...] = ()) -> Request:
         return cls(
             request_id=request.request_id,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
             sampling=request.sampling,
             arrival_time=request.arrival_time,
+            end_token_ids=end_token_ids,
+            adapter=request.adapter,
         )
 
     @property

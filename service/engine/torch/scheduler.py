@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.torch.block_pool import BlockHash
 from service.engine.torch.kv_cache_manager import KVCacheManager
+from service.engine.torch.lora_admission import AdapterUnavailableError, LoraAdmission
 from service.engine.torch.request import Request, RequestStatus
 
 
@@ -36,6 +38,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # left the queue: why (its adapter)
 
     @property
     def num_tokens(self) -> int:
@@ -59,19 +62,36 @@ class Scheduler:
          whose next block is a prompt block some running request is computing right now waits
          (also stopping admission) until that block is published, so prompts shared by
          requests that arrive together (the choices of n > 1) are computed once.
-    Abort removes a request from either queue and frees its blocks at once.
+         A request of a LoRA adapter is admitted only with a device slot holding its adapter
+         (`lora`, counted like vLLM's max_loras); one that must wait for a slot, or for its
+         adapter to be read, is skipped and keeps its place, and the requests behind it go on.
+         Requests of an adapter that cannot be read any more leave the queue in `failed`.
+    Abort removes a request from either queue and frees its blocks (and its LoRA slot) at once.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, lora: LoraAdmission | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Every waiting request waits on a LoRA read and nothing runs: no step can do anything
+        # until a request arrives or a read ends (`wake`).
+        self.stalled = False
 
     def add(self, request: Request) -> None:
+        if request.adapter is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {request.adapter!r} requested, but this engine serves none")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self.stalled = False
+
+    def wake(self) -> None:
+        """A LoRA read ended: waiting requests may be admitted (or fail) now."""
+        self.stalled = False
 
     def abort(self, request_id: str, discard: bool = False) -> Request | None:
         """Remove a request from either queue and free its blocks (`discard`: KVCacheManager.free)."""
@@ -90,13 +110,17 @@ class Scheduler:
     def _release(self, request: Request, discard: bool = False) -> None:
         request.status = RequestStatus.FINISHED
         self.kv.free(request, discard)
+        if self.lora is not None:
+            self.lora.release(request)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running) or (bool(self.waiting) and not self.stalled)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.lora is not None:
+            self._fail_unreadable(out)
 
         for request in list(self.running):
             if budget == 0:
@@ -117,8 +141,20 @@ class Scheduler:
         if out.preempted:
             return out
         in_flight: set[BlockHash] | None = None
+        skipped: list[Request] = []  # waiting for a LoRA slot or read: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.adapter is not None and request.lora_slot == NO_ADAPTER:
+                try:
+                    placed = self._lora_admit(request)
+                except AdapterUnavailableError as exc:  # its adapter is gone: it fails
+                    self.waiting.popleft()
+                    request.status = RequestStatus.FINISHED
+                    out.failed.append((request, str(exc)))
+                    continue
+                if not placed:
+                    skipped.append(self.waiting.popleft())
+                    continue
             prefix = self.kv.cached_prefix(request) if request.num_computed_tokens == 0 else []
             upcoming = (
                 self.kv.next_uncached_block(request, prefix) if request.num_computed_tokens == 0 else None
@@ -142,7 +178,26 @@ class Scheduler:
                 in_flight.update(self.kv.prompt_blocks_in_flight(request))
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        self.stalled = not out.chunks and not self.running and bool(self.waiting)
         return out
+
+    def _lora_admit(self, request: Request) -> bool:
+        """Whether `request` (of an adapter, holding no slot) holds a slot now; False: it waits."""
+        assert self.lora is not None
+        return self.lora.admit(request)
+
+    def _fail_unreadable(self, out: SchedulerOutput) -> None:
+        """Waiting requests of adapters whose read failed leave the queue, failed with why."""
+        assert self.lora is not None
+        failures = self.lora.take_failures()
+        if not failures:
+            return
+        for request in [r for r in self.waiting if r.adapter in failures and r.lora_slot == NO_ADAPTER]:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED
+            assert request.adapter is not None
+            out.failed.append((request, failures[request.adapter]))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -22,9 +22,7 @@ ones (float, oneDNN-packed, int4 and int8 weight-only). NIM_ENFORCE_EAGER=1 turn
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Final
@@ -39,8 +37,6 @@ from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.models.quant_linear import Int4Linear, Int8Linear
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata
-
-log = logging.getLogger(__name__)
 
 # How a linear layer computes, as the scripted stack branches on it (each mirrors its module's forward).
 FLOAT: Final = 0  # nn.Linear: F.linear
@@ -246,9 +242,9 @@ class ScriptedDecoder:
         )
 
     @classmethod
-    def build(cls, model: CausalLM, pool: KVPool) -> ScriptedDecoder | None:
-        """The decoder for `model` over `pool`, or None (logged, with the reason) where decode
-        steps must run eagerly."""
+    def build(cls, model: CausalLM, pool: KVPool) -> ScriptedDecoder | str:
+        """The decoder for `model` over `pool`, or why decode steps must run eagerly (the engine's
+        decode path, service.engine.torch.decode_path, logs which)."""
         reason = cls._unsupported(model, pool)
         by_layer: dict[int, dict[str, nn.Module]] = {}
         for linear in model.linear_layers() if reason is None else []:
@@ -263,20 +259,13 @@ class ScriptedDecoder:
                 reason = f"layer {index}'s {missing[0]} ({kind}) runs only through its own forward"
                 break
             layers.append([args for args in found.values() if args is not None])
-        started = time.monotonic()
         if reason is None:
             try:
                 _scripted_stack()
             except Exception as error:  # a TorchScript that cannot compile it: eager still runs
                 reason = f"TorchScript cannot compile the step ({type(error).__name__}: {error})"
         if reason is not None:
-            log.info("CPU decode steps run eagerly: %s", reason)
-            return None
-        log.info(
-            "CPU decode steps run as one TorchScript call (compiled in %.2f s; NIM_ENFORCE_EAGER=1 "
-            "runs them eagerly)",
-            time.monotonic() - started,
-        )
+            return reason
         return cls(model, pool, layers)
 
     @staticmethod

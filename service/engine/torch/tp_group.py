@@ -251,6 +251,7 @@ def worker_main(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
 
 
 def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
+    from service.engine.torch.decode_path import DecodePath
     from service.engine.torch.kv_pool import KVPool
     from service.engine.torch.loading import load_rank, resolve_device
     from service.engine.torch.model_runner import ModelRunner
@@ -267,7 +268,8 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
     pipe.send(("loaded", loaded.propose_blocks(config, setup.size)))
     blocks = pipe.recv()
     pool = KVPool(loaded.kv_spec, blocks, device)
-    runner = ModelRunner(loaded.model, pool, device, decode_kernel=loaded.decode_kernel, lora=loaded.lora)
+    path = DecodePath.eager(pool, loaded.model, loaded.decode_kernel, "a tensor-parallel worker rank")
+    runner = ModelRunner(loaded.model, pool, device, path, lora=loaded.lora)
     pipe.send(("ready",))
     torch.set_grad_enabled(False)
     with torch.inference_mode():

@@ -1,0 +1,122 @@
+"""How decode steps run, decided once when the engine is built and logged once with the reason.
+
+A decode-only step (every sequence computes one token) runs one of three ways:
+- cuda-graphs: a captured CUDA graph per batch-size bucket is replayed
+  (service.engine.torch.cuda_graphs; CUDA, one rank, the Triton paged kernel);
+- scripted: the decoder layers run as one TorchScript call (service.engine.torch.scripted_decode;
+  CPU, a Llama-shaped model over an unquantized cache, no tensor parallelism, no LoRA);
+- eager: the model's own forward over PagedAttention.
+Steps that are not decode-only (prefills, mixed steps, prompt logprobs) and steps with LoRA
+rows run eagerly whatever the path. Eager decodes attend one of two ways, also decided here:
+`kernel` (the Triton paged kernel over block tables, CUDA) or `gather` (the blocks gathered into
+one tensor; a lone decode whose blocks form one ascending run reads them in place when the cache
+holds the activations' dtype unscaled: `in_place_runs`).
+
+The runner holds the DecodePath and every place that used to decide reads it: the runner's
+step (graphs or not), its forward (scripted or not), its attention metadata (kernel, gather,
+in-place runs), and the tensor-parallel worker ranks (eager, the same attention as rank 0).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.models.base import CausalLM
+from service.engine.torch.cuda_graphs import CudaGraphDecoder
+from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.scripted_decode import ScriptedDecoder
+
+log = logging.getLogger(__name__)
+
+
+class DecodeAttention(enum.Enum):
+    KERNEL = "the Triton paged kernel over block tables"
+    GATHER = "gathered cache blocks"
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    kind: str  # "cuda-graphs", "scripted" or "eager"
+    attention: DecodeAttention  # how eager decodes attend
+    in_place_runs: bool  # a lone decode over one ascending run of blocks reads them in place
+    reason: str  # why this path (logged once, at build)
+    graphs: CudaGraphDecoder | None = None  # kind "cuda-graphs": the decoder (captured at warm-up)
+    scripted: ScriptedDecoder | None = None  # kind "scripted"
+
+    @classmethod
+    def eager(cls, pool: KVPool, model: CausalLM, kernel: bool, reason: str) -> DecodePath:
+        attention = DecodeAttention.KERNEL if kernel else DecodeAttention.GATHER
+        return cls("eager", attention, _reads_in_place(pool, model), reason)
+
+    def describe(self) -> str:
+        return (
+            f"decode steps: {self.kind} ({self.reason}); eager decodes attend through {self.attention.value}"
+        )
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What the loader allows: `kernel` (the Triton paged kernel runs here), `graphs` (CUDA
+    graphs may be captured: not NIM_ENFORCE_EAGER, one rank), `scripted` (the TorchScript step
+    may run: CPU, not NIM_ENFORCE_EAGER)."""
+
+    kernel: bool
+    graphs: bool
+    scripted: bool
+    max_num_seqs: int
+    max_model_len: int
+    tensor_parallel: bool = False
+
+
+def choose_decode_path(
+    model: CausalLM, pool: KVPool, device: torch.device, options: DecodeOptions
+) -> DecodePath:
+    """The engine's decode path, logged once with the reason."""
+    path = _choose(model, pool, device, options)
+    if path.kind == "scripted":
+        log.info(
+            "CPU decode steps run as one TorchScript call (%s; NIM_ENFORCE_EAGER=1 runs them eagerly)",
+            path.reason,
+        )
+    elif device.type == "cpu":
+        log.info("CPU decode steps run eagerly: %s", path.reason)
+    else:
+        log.info("%s", path.describe())
+    return path
+
+
+def _choose(model: CausalLM, pool: KVPool, device: torch.device, options: DecodeOptions) -> DecodePath:
+    if device.type == "cpu":
+        if not options.scripted:
+            return DecodePath.eager(pool, model, False, "NIM_ENFORCE_EAGER=1")
+        started = time.monotonic()
+        built = ScriptedDecoder.build(model, pool)
+        if isinstance(built, str):
+            return DecodePath.eager(pool, model, False, built)
+        reason = f"compiled in {time.monotonic() - started:.2f} s"
+        return DecodePath(
+            "scripted", DecodeAttention.GATHER, _reads_in_place(pool, model), reason, scripted=built
+        )
+    if not options.kernel:
+        return DecodePath.eager(
+            pool, model, False, "the Triton paged kernel cannot run here (see the warning)"
+        )
+    if options.tensor_parallel:
+        return DecodePath.eager(pool, model, True, "tensor parallelism: no CUDA graphs across ranks yet")
+    if not options.graphs:
+        return DecodePath.eager(pool, model, True, "NIM_ENFORCE_EAGER=1")
+    graphs = CudaGraphDecoder(model, pool, options.max_num_seqs, options.max_model_len, device)
+    reason = f"batch sizes {graphs.buckets}, captured at warm-up"
+    return DecodePath(
+        "cuda-graphs", DecodeAttention.KERNEL, _reads_in_place(pool, model), reason, graphs=graphs
+    )
+
+
+def _reads_in_place(pool: KVPool, model: CausalLM) -> bool:
+    """Whether the cache holds the activations' dtype unscaled, so a run of blocks is read as is."""
+    return pool.scales is None and pool.data[0].dtype == model.activation_dtype
