@@ -39,7 +39,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def test_layout_splits_every_expert_over_its_intermediate_dimension() -> None:
-    qwen, mixtral = _config("qwen3_moe"), _config("mixtral")  # expert intermediate 32 and 48
+    qwen, mixtral = _config("qwen3_moe"), _config("mixtral")  # expert intermediate 32 and 64
     rank1 = TPLayout(qwen, 1, 2)
     assert rank1.local_config().moe_intermediate_size == 16
     assert rank1.local_config().intermediate_size == 48  # the dense layer's MLP, as for Llama
@@ -49,9 +49,9 @@ def test_layout_splits_every_expert_over_its_intermediate_dimension() -> None:
     assert rank1.split_of("model.layers.1.mlp.gate_proj.weight") == ("rows", 48, 96)  # dense layer
     assert rank1.split_of("model.layers.0.mlp.gate.weight") is None  # the router: replicated
     mixtral1 = TPLayout(mixtral, 1, 2)
-    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w1.weight") == ("rows", 24, 48)
-    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w3.weight") == ("rows", 24, 48)
-    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w2.weight") == ("columns", 24, 48)
+    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w1.weight") == ("rows", 32, 64)
+    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w3.weight") == ("rows", 32, 64)
+    assert mixtral1.split_of("model.layers.2.block_sparse_moe.experts.3.w2.weight") == ("columns", 32, 64)
     assert mixtral1.split_of("model.layers.2.block_sparse_moe.gate.weight") is None
     with pytest.raises(
         UnsupportedModelError, match="does not divide this model's expert intermediate size 30"

@@ -499,15 +499,6 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         target_device = device if device is not None else next(iter(params.values())).device
-        expected: set[tuple[str, int | None]] = set()
-        for name in params:
-            module_name = name.rsplit(".", 2)[-2]
-            if module_name in ("qkv_proj", "gate_up_proj"):
-                shard_count = 3 if module_name == "qkv_proj" else 2
-                expected.update((name, shard) for shard in range(shard_count))
-            else:
-                expected.add((name, None))
-
         loaded: set[tuple[str, int | None]] = set()
         pending: dict[str, dict[int, QuantizedWeight]] = {}  # fused layer -> its quantized shards so far
         for checkpoint_name, tensor in weights:
@@ -557,7 +548,9 @@ class LlamaForCausalLM(nn.Module):
             destination = self._materialize(target_name, params, target_device).data
             destination.narrow(0, start, size).copy_(tensor)
 
-        missing = expected - loaded
+        # The parameters left now (a subclass may have replaced some while the weights streamed in,
+        # as quantized layers replace their nn.Linear).
+        missing = self._expected_weights() - loaded
         if missing:
             names = sorted(_checkpoint_name(name, shard) for name, shard in missing)
             raise ValueError(f"checkpoint lacks {len(names)} parameter(s): {', '.join(names[:10])}")
@@ -566,6 +559,18 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary.cos_cached.is_meta:
             self.rotary.to_empty(device=target_device)
         self.rotary.reset_cache()
+
+    def _expected_weights(self) -> set[tuple[str, int | None]]:
+        """(parameter, shard of a fused one) for every parameter a checkpoint must write."""
+        expected: set[tuple[str, int | None]] = set()
+        for name, _ in self.named_parameters():
+            module_name = name.rsplit(".", 2)[-2]
+            if module_name in ("qkv_proj", "gate_up_proj"):
+                shard_count = 3 if module_name == "qkv_proj" else 2
+                expected.update((name, shard) for shard in range(shard_count))
+            else:
+                expected.add((name, None))
+        return expected
 
     def _materialize(self, name: str, params: dict[str, nn.Parameter], device: torch.device) -> nn.Parameter:
         """The parameter `name`, allocated on `device` if it is still on 'meta'."""

@@ -44,12 +44,16 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 Weight = torch.Tensor | QuantizedWeight
 # Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).
 DEFAULT_INT4_GROUP = 128
-_LAYER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+_LAYER_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+    r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2))\.weight"
+)
 
 
 def linear_role(name: str, config: ModelConfig) -> str | None:
-    """'layer' for a decoder layer's projection, 'logits' for the output projection (the
-    embedding when tied), None for anything else (norms, biases, an untied embedding)."""
+    """'layer' for a decoder layer's projection (an expert's too; a mixture-of-experts router
+    stays float, as in vLLM), 'logits' for the output projection (the embedding when tied), None
+    for anything else (norms, biases, an untied embedding)."""
     if _LAYER_LINEAR.fullmatch(name):
         return "layer"
     if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings):

@@ -10,7 +10,13 @@ the weighted sum of its k experts' SiLU(gate) * up -> down.
 Experts are held stacked as transformers 5 holds them (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]); `load_weights` also takes the per-expert checkpoint names
 (``mlp.experts.E.{gate,up,down}_proj``, Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``) and stacks
-them layer by layer.
+them layer by layer. Quantized experts (int8_wo, int4_wo, fp8: quantized at load expert by expert,
+as the loader quantizes every decoder projection; the router stays float) are held as one
+quantized linear layer per expert and projection, running the dense layers' kernels (native or
+emulated per quant_linear's table), still grouped by expert. nvfp4 experts are refused. There is
+no fused CUDA MoE kernel yet (vLLM's fused_moe is the reference design): on CUDA the experts run
+one matmul per expert that has rows, and under graph capture the float experts are gathered per
+row and quantized ones run every row through every expert.
 
 Under tensor parallelism (service.engine.models.tensor_parallel) each expert is split over its
 intermediate dimension: a rank holds every expert's gate/up rows and down columns of its share,
@@ -32,7 +38,8 @@ from torch import Tensor, nn
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM, Reduce
-from service.engine.models.quant import QuantizedWeight
+from service.engine.models.quant import NVFP4Weight, QuantizationError, QuantizedWeight, concat_rows
+from service.engine.models.quant_linear import make_linear
 
 if TYPE_CHECKING:
     from service.engine.models.tensor_parallel import Collectives, TPLayout
@@ -78,40 +85,75 @@ def per_expert(
 
 class Experts(nn.Module):
     """`num_experts` SiLU-gated MLPs, stacked: gate_up_proj [E, 2I, H] (rows: gate | up) and
-    down_proj [E, H, I]."""
+    down_proj [E, H, I]; or, quantized (`quantize`), one quantized linear layer per expert and
+    projection (service.engine.models.quant_linear: the dense layers' kernels, native or emulated
+    as the table there says)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = experts
         self.intermediate_size = inter
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        # Quantized: expert e's gate_up and down layers (the Parameters above are then gone).
+        self.gate_up_layers: nn.ModuleList | None = None
+        self.down_layers: nn.ModuleList | None = None
+
+    def quantize(
+        self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight], device: torch.device
+    ) -> None:
+        """Hold expert e's weights as the quantized gate_up[e] and down[e], in place of the float
+        stacks (whose Parameters go: nothing of them is ever allocated)."""
+        dtype = self.gate_up_proj.dtype
+        del self.gate_up_proj, self.down_proj
+        self.gate_up_layers = nn.ModuleList(make_linear(w, None, dtype, device) for w in gate_up)
+        self.down_layers = nn.ModuleList(make_linear(w, None, dtype, device) for w in down)
 
     def forward(self, x: Tensor, expert_ids: Tensor) -> Tensor:
         """x: [N, H] rows each routed to one expert, expert_ids: [N] -> each row's expert output [N, H].
 
-        Grouped where slice sizes can be read back; gathered under CUDA graph capture, where
-        they cannot (a capture must not synchronise with the host).
+        Grouped where slice sizes can be read back; under CUDA graph capture, where they cannot (a
+        capture must not synchronise with the host), float experts are gathered per row and
+        quantized ones run every row through every expert, each row keeping its own's output.
         """
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.gathered(x, expert_ids)
+            return self.gathered(x, expert_ids) if self.gate_up_layers is None else self.every(x, expert_ids)
         return self.grouped(x, expert_ids)
 
-    def grouped(self, x: Tensor, expert_ids: Tensor) -> Tensor:
-        """Rows grouped by expert (a stable sort), one matmul per expert over its contiguous slice."""
+    def expert(self, rows: Tensor, expert: int) -> Tensor:
+        """Expert `expert`'s MLP over `rows` [n, H] -> [n, H]."""
         inter = self.intermediate_size
+        if self.gate_up_layers is None or self.down_layers is None:
+            gate_up = F.linear(rows, self.gate_up_proj[expert])  # [n, 2I]
+        else:
+            gate_up = self.gate_up_layers[expert].forward(rows)
+        activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        if self.down_layers is None:
+            return F.linear(activated, self.down_proj[expert])
+        down: Tensor = self.down_layers[expert].forward(activated)
+        return down
+
+    def every(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """Every row through every expert, each row keeping its own expert's output: no host
+        sync, each expert's weights read once, E times the arithmetic (meant for decode-sized N)."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            out = torch.where((expert_ids == expert)[:, None], self.expert(x, expert), out)
+        return out
+
+    def grouped(self, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """Rows grouped by expert (a stable sort), one matmul per expert over its contiguous
+        slice (a loop over the experts that have rows, never over tokens)."""
         order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
         grouped = x[order]
         out = torch.empty_like(x)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = grouped[start : start + count]
-            gate_up = F.linear(rows, self.gate_up_proj[expert])  # [n, 2I]
-            activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out[order[start : start + count]] = F.linear(activated, self.down_proj[expert])
+            out[order[start : start + count]] = self.expert(grouped[start : start + count], expert)
             start += count
         return out
 
@@ -185,16 +227,20 @@ class MoeForCausalLM(LlamaForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]], device: torch.device | None = None
     ) -> None:
-        """LlamaForCausalLM.load_weights (strict), with per-expert tensors stacked per layer first."""
-        super().load_weights(self._stacked(weights), device)
+        """LlamaForCausalLM.load_weights (strict), with per-expert tensors stacked per layer first;
+        a layer's quantized experts become its `Experts`' quantized layers as they complete."""
+        target = device if device is not None else next(self.parameters()).device
+        super().load_weights(self._stacked(weights, target), device)
 
     def _stacked(
-        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]]
+        self, weights: Iterable[tuple[str, Tensor | QuantizedWeight]], device: torch.device
     ) -> Iterator[tuple[str, Tensor | QuantizedWeight]]:
         """`weights` with Mixtral's ``block_sparse_moe`` read as ``mlp`` and each layer's per-expert
-        projections yielded as its two stacked tensors once all have arrived (the rest as given)."""
+        projections, once all have arrived, yielded as its two stacked tensors (float) or held
+        by its experts as quantized layers (the rest as given)."""
         experts = self.config.num_experts
-        pending: dict[str, dict[tuple[str, int], Tensor]] = {}  # layer prefix -> (projection, expert)
+        floats: dict[str, dict[tuple[str, int], Tensor]] = {}  # layer prefix -> (projection, expert)
+        quantized: dict[str, dict[tuple[str, int], QuantizedWeight]] = {}
         for name, tensor in weights:
             match = _EXPERT_WEIGHT.fullmatch(name)
             if match is None:
@@ -203,23 +249,55 @@ class MoeForCausalLM(LlamaForCausalLM):
             prefix, expert, projection = match.group(1), int(match.group(2)), _PROJECTIONS.get(match.group(3))
             if projection is None or expert >= experts:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
-            if not isinstance(tensor, Tensor):
-                raise UnsupportedModelError(f"{name}: quantized experts are not supported yet")
-            layer = pending.setdefault(prefix, {})
-            if (projection, expert) in layer:
+            if isinstance(tensor, NVFP4Weight):
+                raise UnsupportedModelError(f"{name}: nvfp4 experts are not supported (int8, int4, fp8 are)")
+            key = (projection, expert)
+            if key in floats.get(prefix, {}) or key in quantized.get(prefix, {}):
                 raise ValueError(f"checkpoint tensor {name!r} appears more than once")
-            layer[(projection, expert)] = tensor
-            if len(layer) < 3 * experts:
+            if isinstance(tensor, Tensor):
+                floats.setdefault(prefix, {})[key] = tensor
+            else:
+                quantized.setdefault(prefix, {})[key] = tensor
+            float_layer, quantized_layer = floats.get(prefix, {}), quantized.get(prefix, {})
+            if len(float_layer) + len(quantized_layer) < 3 * experts:
                 continue
-            del pending[prefix]
-            yield (
-                f"{prefix}.mlp.experts.gate_up_proj",
-                torch.stack([torch.cat([layer[("gate", e)], layer[("up", e)]]) for e in range(experts)]),
-            )
-            yield f"{prefix}.mlp.experts.down_proj", torch.stack([layer[("down", e)] for e in range(experts)])
-        if pending:
-            prefix, layer = next(iter(pending.items()))
-            raise ValueError(f"checkpoint has {len(layer)} of the {3 * experts} expert weights of {prefix}")
+            if float_layer and quantized_layer:
+                raise ValueError(f"{prefix}: some expert weights are quantized and others float")
+            if float_layer:
+                del floats[prefix]
+                gate_up = [
+                    torch.cat([float_layer[("gate", e)], float_layer[("up", e)]]) for e in range(experts)
+                ]
+                yield f"{prefix}.mlp.experts.gate_up_proj", torch.stack(gate_up)
+                yield (
+                    f"{prefix}.mlp.experts.down_proj",
+                    torch.stack([float_layer[("down", e)] for e in range(experts)]),
+                )
+                continue
+            del quantized[prefix]
+            self._quantize_experts(prefix, quantized_layer, device)
+        if floats or quantized:
+            prefix = next(iter({**floats, **quantized}))
+            count = len(floats.get(prefix, {})) + len(quantized.get(prefix, {}))
+            raise ValueError(f"checkpoint has {count} of the {3 * experts} expert weights of {prefix}")
+
+    def _quantize_experts(
+        self, prefix: str, layer: dict[tuple[str, int], QuantizedWeight], device: torch.device
+    ) -> None:
+        """Hold the routed layer at `prefix`'s experts as quantized layers of `layer`'s weights."""
+        experts = range(self.config.num_experts)
+        try:
+            gate_up = [concat_rows([layer[("gate", e)], layer[("up", e)]]) for e in experts]
+        except QuantizationError as error:
+            raise QuantizationError(f"{prefix} experts: {error}") from error
+        self._experts(prefix).quantize(gate_up, [layer[("down", e)] for e in experts], device)
+
+    def _experts(self, prefix: str) -> Experts:
+        """The experts of the routed layer at `prefix` ("model.layers.N")."""
+        experts = self.get_submodule(f"{prefix}.mlp.experts")
+        if not isinstance(experts, Experts):
+            raise ValueError(f"{prefix} is not a routed layer: it has no experts")
+        return experts
 
 
 if TYPE_CHECKING:

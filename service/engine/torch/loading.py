@@ -135,21 +135,27 @@ def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str,
 
 
 def check_experts(config: EngineConfig) -> None:
-    """Mixture-of-experts models run float weights for now (on one rank or tensor-parallel; LoRA
-    on their attention projections, lora.py refuses adapters on experts): refuse a quantized
-    precision in one line, before anything loads (a dense model passes)."""
+    """Mixture-of-experts models run float weights and int8_wo, int4_wo and fp8 experts quantized
+    at load from a float checkpoint (on one rank or tensor-parallel; LoRA on their attention
+    projections, lora.py refuses adapters on experts): refuse nvfp4 and ModelOpt-quantized
+    checkpoints in one line, before anything loads (a dense model passes)."""
     if config.model_format != "hf_dir":
         return  # GGUF: ModelConfig.from_gguf refuses the MoE architectures (none is registered)
     try:
         model_config, _ = read_weights(config)  # the weights are not read
     except (QuantizationError, UnsupportedModelError) as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
-    if model_config.num_experts == 0:
+    if model_config.num_experts == 0 or config.precision in FLOAT_PRECISIONS:
         return
-    if config.precision not in FLOAT_PRECISIONS:
+    why = None
+    if config.precision == "nvfp4":
+        why = "nvfp4 experts are not supported"
+    elif not quantizes_at_load(config.model_path, config.model_format, config.precision):
+        why = "a ModelOpt-quantized checkpoint of one is not supported"
+    if why is not None:
         raise UnsupportedConfigError(
             f"profile {config.profile_name}: {model_config.architecture} is a mixture-of-experts model; "
-            f"precision {config.precision} is not supported for it yet: choose a float profile"
+            f"{why}: its experts run int8_wo, int4_wo or fp8 quantized at load from a float checkpoint"
         )
 
 
