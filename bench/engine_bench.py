@@ -41,7 +41,18 @@ class DenseAttention:
         self.pos = 0
         self.num_new = 0
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        if window is not None:
+            raise NotImplementedError("no sliding window in this test-only attention")
         # q: [B*S, Hq, D] (flat), k/v: [B*S, Hkv, D]
         s = q.shape[0] // self.batch
         q = q.view(self.batch, s, *q.shape[1:]).transpose(1, 2)  # [B, Hq, S, D]
@@ -51,7 +62,12 @@ class DenseAttention:
         self.k[layer, :, :, self.pos : end] = k
         self.v[layer, :, :, self.pos : end] = v
         out = F.scaled_dot_product_attention(
-            q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], is_causal=s > 1, enable_gqa=True
+            q,
+            self.k[layer, :, :, :end],
+            self.v[layer, :, :, :end],
+            is_causal=s > 1,
+            enable_gqa=True,
+            scale=scale,
         )
         return out.transpose(1, 2).reshape(self.batch * s, *out.shape[1:2], out.shape[-1])
 

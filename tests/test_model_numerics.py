@@ -231,7 +231,18 @@ class DenseCacheAttention:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        if window is not None:
+            raise NotImplementedError("no sliding window in this test-only attention")
         if layer in self.keys:
             k = torch.cat([self.keys[layer], k])
             v = torch.cat([self.values[layer], v])
@@ -240,7 +251,12 @@ class DenseCacheAttention:
         # query i sits at position total - new + i and sees keys 0..that position
         allowed = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]  # [T, S]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=allowed,
+            enable_gqa=True,
+            scale=scale,
         )
         return out.transpose(0, 1)
 
@@ -255,9 +271,25 @@ class PackedCausalAttention:
             token_index[None, :] <= token_index[:, None]
         )
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        if window is not None:
+            raise NotImplementedError("no sliding window in this test-only attention")
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=self.allowed, enable_gqa=True
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=self.allowed,
+            enable_gqa=True,
+            scale=scale,
         )
         return out.transpose(0, 1)
 
