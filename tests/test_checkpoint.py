@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from service.config import load_settings
 from service.engine.models.config import ModelConfig
+from service.engine.torch.loading import build_engine
 from service.selection import planning
 from service.selection.planning import make_plan, manifest_for, model_source
 from service.selection.profiles import Architecture, Manifest
@@ -40,6 +41,7 @@ from service.store.model_store import (
 from tests.fake_hub import FakeHub
 from tests.test_model_numerics import _write_gguf
 from tests.test_quantization import _tiny_hf_model, write_modelopt_checkpoint
+from tests.test_tensor_parallel_serving import _distinct_tokens
 
 REPO_ID = "org/tiny-llama"
 
@@ -256,17 +258,33 @@ class _ConfigReads:
             self.paths.append(str(path))
 
 
-def test_config_json_is_read_once_from_plan_to_engine_config(
-    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("precision", ["fp32", "int8_wo"])
+def test_config_json_is_read_once_from_plan_to_a_built_engine(
+    precision: str, llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Planning inspects; the source, the EngineConfig, the loader, the weight cache's check and the
+    tokenizer read the inspection (int8_wo: quantized at load, through the weight cache)."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for file in llama_dir.iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    _distinct_tokens(directory)
     reads = _ConfigReads(monkeypatch)
-    settings = load_settings(model_name=str(llama_dir), cache_path=tmp_path)
+    settings = load_settings(
+        model_name=str(directory),
+        cache_path=tmp_path / "cache",
+        model_profile=f"torch-generic-{precision}-tp1-pp1-throughput",
+        num_threads=1,
+        max_model_len=256,
+        kv_cache_max_tokens=1024,
+    )
     plan = make_plan(settings)
-    source = model_source(plan, settings)
-    config = engine_config(settings, plan, source)
-    assert reads.paths == [str(llama_dir / CONFIG_FILE)]
+    config = engine_config(settings, plan, model_source(plan, settings))
     assert config.checkpoint is plan.checkpoint
-    assert (config.model_path, config.model_format) == (llama_dir, "hf_dir")
+    assert (config.model_path, config.model_format) == (directory, "hf_dir")
+    engine = build_engine(config)
+    assert engine.info.architecture == plan.checkpoint.config.architecture
+    assert reads.paths == [str(directory / CONFIG_FILE)]
 
 
 # --- a hub checkpoint: headers over HTTP ranges, weights not downloaded ------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.engine.config import ModelFormat
-from service.engine.models.config import ModelConfig
+from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.modelopt import CheckpointQuantization, checkpoint_quantization
 from service.store.model_store import (
     PICKLE_SUFFIXES,
@@ -157,6 +157,8 @@ def _inspect_gguf(path: Path, store: dict[str, Any] | None = None) -> Checkpoint
 
 def weight_files(path: Path) -> tuple[Path, ...]:
     """The safetensors files of a directory: the shards its index names, else every *.safetensors."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
     index = path / SAFETENSORS_INDEX
     if index.is_file():
         files = tuple(path / name for name in _index_shards(index))
@@ -169,7 +171,7 @@ def weight_files(path: Path) -> tuple[Path, ...]:
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
-        raise CheckpointError(
+        raise UnsupportedModelError(
             f"{path} holds only pickle checkpoint(s) ({', '.join(pickles)}); they can execute arbitrary code "
             "when loaded and are never unpickled here. Convert the model to safetensors."
         )

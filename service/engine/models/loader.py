@@ -12,7 +12,6 @@ quantized at load otherwise (`quantize_at_load`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from safetensors import safe_open
 
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.modelopt import checkpoint_quantization, read_quantized
+from service.engine.models.modelopt import read_quantized
 from service.engine.models.moe import per_expert
 from service.engine.models.quant import (
     Int4Weight,
@@ -37,9 +36,7 @@ from service.engine.models.quant import (
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
-from service.store.model_store import PICKLE_SUFFIXES
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+from service.store.checkpoint import Checkpoint, inspect_local, weight_files
 
 Weight = torch.Tensor | QuantizedWeight
 # Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).
@@ -93,19 +90,19 @@ def quantize_at_load(
             yield name, tensor
 
 
-def quantizes_at_load(path: Path, model_format: str, precision: str) -> bool:
-    """Whether loading `path` in `precision` quantizes any weight (the work worth caching), as
-    opposed to reading every quantized weight from the file as it is."""
+def quantizes_at_load(source: Checkpoint | Path, model_format: str, precision: str) -> bool:
+    """Whether loading the checkpoint in `precision` quantizes any weight (the work worth caching),
+    as opposed to reading every quantized weight from the file as it is."""
     if precision in FLOAT_PRECISIONS:
         return False
+    checkpoint = inspected(source)
     if model_format != "gguf":
-        return checkpoint_quantization(path, json.loads((path / "config.json").read_text())) is None
-    reader = gguf.GGUFReader(str(path))
-    config = ModelConfig.from_gguf(reader)
+        return checkpoint.quantization is None
+    reader = gguf.GGUFReader(str(checkpoint.path))
     for tensor in reader.tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
-        role = linear_role(gguf_to_hf_name(tensor.name), config)
+        role = linear_role(gguf_to_hf_name(tensor.name), checkpoint.config)
         if target_format(precision, role) is not None and not (
             precision == "int4_wo" and tensor.tensor_type in _GGUF_INT4
         ):
@@ -113,27 +110,35 @@ def quantizes_at_load(path: Path, model_format: str, precision: str) -> bool:
     return False
 
 
-def load_hf_dir(path: Path, precision: str) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+def inspected(source: Checkpoint | Path) -> Checkpoint:
+    """The checkpoint as planning inspected it (EngineConfig.checkpoint); a path, as tests and
+    tools pass, is inspected here."""
+    return source if isinstance(source, Checkpoint) else inspect_local(Path(source))
+
+
+def load_hf_dir(
+    source: Checkpoint | Path, precision: str
+) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
     """An HF checkpoint directory: its config, and its weights in `precision` (see the module doc).
 
     A quantized (ModelOpt) checkpoint serves only its own precision; anything else is refused
     before a tensor is read.
     """
-    raw_config = json.loads((path / "config.json").read_text())
-    config = ModelConfig.from_hf_config(raw_config)
-    files = _safetensors_files(path)
-    quant = checkpoint_quantization(path, raw_config)
+    checkpoint = inspected(source)
+    config, files, quant = checkpoint.config, list(checkpoint.weight_files), checkpoint.quantization
     if quant is None:
         return config, quantize_at_load(per_expert(_read_safetensors(files)), precision, config)
     if quant.precision != precision:
         raise QuantizationError(
-            f"{path} is a ModelOpt {quant.quant_algo} checkpoint: it serves as {quant.precision}, "
+            f"{checkpoint.path} is a ModelOpt {quant.quant_algo} checkpoint: it serves as {quant.precision}, "
             f"not {precision}; choose one of its {quant.precision} profiles"
         )
     return config, read_quantized(files, quant)
 
 
-def hf_dir_shards(path: Path, precision: str, layout: TPLayout) -> Iterator[tuple[str, Weight]] | None:
+def hf_dir_shards(
+    source: Checkpoint | Path, precision: str, layout: TPLayout
+) -> Iterator[tuple[str, Weight]] | None:
     """A tensor-parallel rank's shards of an HF directory's weights, reading only their bytes,
     where weights are used as stored (a float precision of an unquantized checkpoint); None
     elsewhere. Weights quantized at load are quantized whole and then sliced (an int8 row's scale
@@ -141,9 +146,10 @@ def hf_dir_shards(path: Path, precision: str, layout: TPLayout) -> Iterator[tupl
     are read whole too. Either way a rank holds one whole tensor at most besides its shards."""
     if precision not in FLOAT_PRECISIONS:
         return None
-    if checkpoint_quantization(path, json.loads((path / "config.json").read_text())) is not None:
+    checkpoint = inspected(source)
+    if checkpoint.quantization is not None:
         return None
-    return _read_safetensor_shards(_safetensors_files(path), layout)
+    return _read_safetensor_shards(list(checkpoint.weight_files), layout)
 
 
 def _read_safetensor_shards(files: list[Path], layout: TPLayout) -> Iterator[tuple[str, Weight]]:
@@ -171,32 +177,7 @@ def load_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     Errors are raised on the call, before the first tensor is read, not on first iteration.
     """
-    path = Path(path)
-    files = _safetensors_files(path)
-    return _read_safetensors(files)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    index = path / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        absent = [str(f) for f in files if not f.is_file()]
-        if absent:
-            raise FileNotFoundError(f"{index} names missing shard(s): {', '.join(absent)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
-    if pickles:
-        raise UnsupportedModelError(
-            f"{path} holds only pickle checkpoint(s) ({', '.join(pickles)}); they can execute arbitrary code "
-            "when loaded and are never unpickled here. Convert the model to safetensors."
-        )
-    raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return _read_safetensors(list(weight_files(Path(path))))
 
 
 def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -269,15 +250,18 @@ def dequantize_gguf_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     return array
 
 
-def load_gguf(path: Path, precision: str = "fp32") -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
-    """Read a GGUF file: its config, and its tensors under HF names in `precision`: float32 for
-    float precisions (cast by the model), Q4_0/Q4_1 blocks as int4 directly under int4_wo, the
-    rest quantized at load (int4 groups of 32, as the file's own).
+def load_gguf(
+    source: Checkpoint | Path, precision: str = "fp32"
+) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+    """Read a GGUF file: its config (the inspection's, when given one), and its tensors under HF
+    names in `precision`: float32 for float precisions (cast by the model), Q4_0/Q4_1 blocks as int4
+    directly under int4_wo, the rest quantized at load (int4 groups of 32, as the file's own).
 
     The file is memory-mapped; tensors are read one at a time as the iterator is consumed.
     """
+    path = source.path if isinstance(source, Checkpoint) else Path(source)
     reader = gguf.GGUFReader(str(path))
-    config = ModelConfig.from_gguf(reader)
+    config = source.config if isinstance(source, Checkpoint) else ModelConfig.from_gguf(reader)
     if precision == "nvfp4":
         raise QuantizationError(
             f"{path}: nvfp4 weights are read from ModelOpt NVFP4 checkpoints, not GGUF files"

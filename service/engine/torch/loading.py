@@ -128,10 +128,11 @@ class RankLoad:
 
 
 def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
-    """The checkpoint's config, and its weights in the profile's precision (read lazily)."""
+    """The checkpoint's config (as inspected in planning), and its weights in the profile's
+    precision (read lazily)."""
     if config.model_format == "gguf":
-        return load_gguf(config.model_path, config.precision)
-    return load_hf_dir(config.model_path, config.precision)
+        return load_gguf(config.checkpoint, config.precision)
+    return load_hf_dir(config.checkpoint, config.precision)
 
 
 def check_experts(config: EngineConfig) -> None:
@@ -150,7 +151,7 @@ def check_experts(config: EngineConfig) -> None:
     why = None
     if config.precision == "nvfp4":
         why = "nvfp4 experts are not supported"
-    elif not quantizes_at_load(config.model_path, config.model_format, config.precision):
+    elif not quantizes_at_load(config.checkpoint, config.model_format, config.precision):
         why = "a ModelOpt-quantized checkpoint of one is not supported"
     if why is not None:
         raise UnsupportedConfigError(
@@ -187,10 +188,10 @@ def load_rank(
         layout = TPLayout(model_config, rank, size) if size > 1 else None
         shards = None
         if layout is not None and config.model_format == "hf_dir":
-            shards = hf_dir_shards(config.model_path, config.precision, layout)
+            shards = hf_dir_shards(config.checkpoint, config.precision, layout)
         writer = None
         if config.weight_cache_dir is not None and quantizes_at_load(
-            config.model_path, config.model_format, config.precision
+            config.checkpoint, config.model_format, config.precision
         ):
             entry = config.weight_cache_dir / quant_cache.cache_key(
                 config.model_path, config.precision, {"int4_group": DEFAULT_INT4_GROUP, "gguf_group": 32}
@@ -281,7 +282,7 @@ def build_engine(
         if config.model_format == "gguf":
             tokenizer = Tokenizer.from_gguf(config.model_path)
         else:
-            tokenizer = Tokenizer.from_directory(config.model_path)
+            tokenizer = Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
         adapters = None
         if loaded.lora is not None and config.lora is not None:
             adapters = LoraStore.open(config.lora, loaded.model_config, config.served_name)
