@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -167,6 +168,35 @@ def test_a_gguf_file(tmp_path: Path) -> None:
         stored = n // 32 * 34 if name.endswith("mlp.down_proj.weight") else n * 4  # Q8_0 blocks, F32
         expected += TensorSizes(stored, n)
     assert checkpoint.tensors == expected
+
+
+def test_the_gguf_header_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
+    """The inspection's reader steps over string arrays (their length kept) and reads number arrays
+    at once; every other field, and every number array, reads as gguf's own reader has it."""
+    from service.store.checkpoint import _header_reader_class
+
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(3)
+    writer.add_token_list(["a", "bb", "ccc", "\u00e9"])
+    writer.add_token_types([1, 1, 3, 1])
+    writer.add_token_scores([0.5, -1.0, 0.25, 2.0])
+    writer.add_array("llama.attention.head_count", [4, 8, 4])
+    writer.add_string("general.name", "tiny")
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = _header_reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types and len(mine.data) == len(field.data), key
+        if field.types[:2] != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
+            assert mine.contents() == field.contents(), key
+    assert ours.fields["llama.attention.head_count"].contents() == [4, 8, 4]
+    assert [(t.name, t.n_bytes) for t in ours.tensors] == [(t.name, t.n_bytes) for t in theirs.tensors]
 
 
 def test_header_sizes_equal_the_tensors_nbytes(tmp_path: Path) -> None:

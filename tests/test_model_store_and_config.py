@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 
 from service.config import ConfigError, load_settings
+from service.engine.models.config import ModelConfig
 from service.selection.planning import make_plan, model_source
 from service.store.model_download import DownloadError
 from service.store.model_store import (
@@ -36,6 +38,7 @@ def test_embedded_model_is_found_without_network(tmp_path: Path) -> None:
     # inspected once on the way: its config and tensor sizes from the GGUF headers, no store
     checkpoint = source.checkpoint
     assert checkpoint.config.architecture == "llama" and not checkpoint.is_model_store
+    assert checkpoint.config == ModelConfig.from_gguf(gguf.GGUFReader(str(source.path)))
     assert checkpoint.tensors is not None
     assert 90_000_000 < checkpoint.tensors.nbytes < source.path.stat().st_size
     assert 134_000_000 < checkpoint.tensors.elements < 135_000_000  # SmolLM2-135M: a tied head counts once

@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from service.engine.config import ModelFormat
 from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.modelopt import CheckpointQuantization, checkpoint_quantization
@@ -43,6 +45,7 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 _HEADER_LENGTH = struct.Struct("<Q")  # a safetensors file starts with its JSON header's length
+_STRING_LENGTH = struct.Struct("<Q")  # a GGUF string's length prefix
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -145,7 +148,7 @@ def _inspect_hf_dir(path: Path, store: dict[str, Any] | None) -> Checkpoint:
 def _inspect_gguf(path: Path, store: dict[str, Any] | None = None) -> Checkpoint:
     import gguf  # only GGUF checkpoints need it
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _header_reader_class()(str(path))
     config = ModelConfig.from_gguf(reader)
     tensors = NO_TENSORS
     for tensor in reader.tensors:
@@ -153,6 +156,37 @@ def _inspect_gguf(path: Path, store: dict[str, Any] | None = None) -> Checkpoint
     array = gguf.GGUFValueType.ARRAY
     metadata = {key: f.contents() for key, f in reader.fields.items() if f.types and f.types[0] != array}
     return Checkpoint(path, "gguf", config, metadata, None, tensors, (), store)
+
+
+def _header_reader_class() -> type:
+    """gguf's reader, less its slowest part: a string array (a vocabulary, its merges) is stepped
+    over, not split into one memory-mapped part per string, and a number array is read at once
+    (seconds of CPU for a 49k vocabulary, which the loader and tokenizer parse again anyway). A
+    string array keeps its length (one data index per string, as ModelConfig.from_gguf counts
+    tokens) but not its strings; the inspection keeps scalars only. Number arrays read as gguf's."""
+    import gguf
+
+    class HeaderReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type != gguf.GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item_type = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            n, offs = int(count[0]), orig_offs + 12
+            types = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(int(item_type[0]))]
+            if types[1] == gguf.GGUFValueType.STRING:
+                view = memoryview(self.data.data)  # the memory map's buffer
+                for _ in range(n):
+                    offs += 8 + _STRING_LENGTH.unpack_from(view, offs)[0]
+                return offs - orig_offs, [item_type, count], [1] * n, types
+            numbers = self.gguf_scalar_to_np.get(types[1])
+            if numbers is None:  # nested arrays: as gguf reads them
+                return super()._get_field_parts(orig_offs, raw_type)
+            values = np.array(self._get(offs, numbers, n))  # one read, then a part per element
+            parts = [item_type, count, *values.reshape(-1, 1)]
+            return offs + values.nbytes - orig_offs, parts, list(range(2, 2 + n)), types
+
+    return HeaderReader
 
 
 def weight_files(path: Path) -> tuple[Path, ...]:
