@@ -61,13 +61,12 @@ class DecodePath:
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What the loader allows: `kernel` (the Triton paged kernel runs here), `graphs` (CUDA
-    graphs may be captured: not NIM_ENFORCE_EAGER, one rank), `scripted` (the TorchScript step
-    may run: CPU, not NIM_ENFORCE_EAGER)."""
+    """What the path is decided from: `kernel` (the Triton paged kernel runs here: CUDA graphs
+    need it), `enforce_eager` (NIM_ENFORCE_EAGER: neither graphs nor the TorchScript step), the
+    batch and context the graphs cover, and whether tensor-parallel ranks run beside this one."""
 
     kernel: bool
-    graphs: bool
-    scripted: bool
+    enforce_eager: bool
     max_num_seqs: int
     max_model_len: int
     tensor_parallel: bool = False
@@ -92,7 +91,7 @@ def choose_decode_path(
 
 def _choose(model: CausalLM, pool: KVPool, device: torch.device, options: DecodeOptions) -> DecodePath:
     if device.type == "cpu":
-        if not options.scripted:
+        if options.enforce_eager:
             return DecodePath.eager(pool, model, False, "NIM_ENFORCE_EAGER=1")
         started = time.monotonic()
         built = ScriptedDecoder.build(model, pool)
@@ -108,7 +107,7 @@ def _choose(model: CausalLM, pool: KVPool, device: torch.device, options: Decode
         )
     if options.tensor_parallel:
         return DecodePath.eager(pool, model, True, "tensor parallelism: no CUDA graphs across ranks yet")
-    if not options.graphs:
+    if options.enforce_eager:
         return DecodePath.eager(pool, model, True, "NIM_ENFORCE_EAGER=1")
     graphs = CudaGraphDecoder(model, pool, options.max_num_seqs, options.max_model_len, device)
     reason = f"batch sizes {graphs.buckets}, captured at warm-up"

@@ -148,10 +148,9 @@ class TorchEngineConfig:
     enable_prefix_caching: bool
     device: torch.device
     dtype: torch.dtype
-    # What the loader allows the decode path (service.engine.torch.decode_path decides it once):
+    # What the decode path (service.engine.torch.decode_path) is decided from, once, at build:
     decode_kernel: bool = False  # the Triton paged kernel runs here (CUDA)
-    cuda_graphs: bool = False  # decode steps may replay CUDA graphs captured at start-up
-    scripted_decode: bool = False  # CPU decode-only steps may run as one TorchScript call
+    enforce_eager: bool = False  # NIM_ENFORCE_EAGER: no CUDA graphs, no TorchScript step
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
 
 
@@ -218,8 +217,7 @@ class TorchEngine:
         self.stats_publisher = StatsPublisher(self.pool, self.kv, self.scheduler, lora=adapters is not None)
         options = DecodeOptions(
             kernel=config.decode_kernel,
-            graphs=config.cuda_graphs,
-            scripted=config.scripted_decode,
+            enforce_eager=config.enforce_eager,
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             tensor_parallel=tp_group is not None,

@@ -47,6 +47,10 @@ import torch
 import torch.distributed as dist
 
 from service.engine.config import EngineConfig
+from service.engine.torch.decode_path import DecodePath
+from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.model_runner import ModelRunner
+from service.engine.torch.rank_loading import load_rank, resolve_device
 from service.engine.torch.step_plan import StepPlan
 from service.util import one_line
 
@@ -251,11 +255,6 @@ def worker_main(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Co
 
 
 def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
-    from service.engine.torch.decode_path import DecodePath
-    from service.engine.torch.kv_pool import KVPool
-    from service.engine.torch.loading import load_rank, resolve_device
-    from service.engine.torch.model_runner import ModelRunner
-
     config = setup.config
     device, dtype = resolve_device(config)
     device = rank_device(device, rank)

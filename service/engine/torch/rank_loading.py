@@ -1,0 +1,272 @@
+"""One rank's model and KV-cache sizing: what every rank builds, rank 0 in the engine's process
+(service.engine.torch.loading) and the tensor-parallel worker ranks (service.engine.torch.tp_group).
+
+Nothing here builds an engine, so tp_group imports it at module level and the engine's imports
+stay a tree: engine -> tp_group -> rank_loading; loading -> engine, tp_group, rank_loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from service.engine import triton_support
+from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
+from service.engine.models import quant_cache
+from service.engine.models.base import CausalLM
+from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.cpu_linear import prepacking_supported
+from service.engine.models.loader import (
+    DEFAULT_INT4_GROUP,
+    build_model,
+    hf_dir_shards,
+    load_gguf,
+    load_hf_dir,
+    quantizes_at_load,
+)
+from service.engine.models.quant import QuantizationError
+from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
+from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
+from service.engine.torch.kv_pool import KVCacheSpec
+from service.engine.torch.lora_slots import LoraSlots
+from service.selection.hardware import choose_device, choose_dtype, free_memory_bytes
+from service.util import cdiv
+
+log = logging.getLogger(__name__)
+
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Share of free memory (after weights are loaded) the KV cache takes by default.
+DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+
+
+class KVCacheTooSmallError(UnsupportedConfigError):
+    """The configured KV cache cannot hold even one full-context sequence."""
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and activation dtype `config` asks for, refusing combinations that cannot run."""
+    device = choose_device(config.device)
+    dtype = choose_dtype(config.dtype, device)
+    if config.fused_kernels and (device.type != "cuda" or not triton_support.available()):
+        raise UnsupportedConfigError(
+            "NIM_FUSED_KERNELS=1 needs a CUDA device and triton; unset it to run PyTorch's ops"
+        )
+    if config.precision == "fp8" and device.type == "cuda" and dtype == torch.float32:
+        raise UnsupportedConfigError("fp8 profiles compute in bf16 or fp16 on CUDA; unset NIM_DTYPE=float32")
+    size = config.tensor_parallel_size
+    if size == 1 and config.collective_timeout_s is not None:
+        raise UnsupportedConfigError(
+            f"NIM_COLLECTIVE_TIMEOUT_SECONDS applies to tensor parallelism; profile {config.profile_name} "
+            "runs one rank: unset it"
+        )
+    if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
+        raise UnsupportedConfigError(
+            f"tensor parallelism {size} needs {size} GPUs; {torch.cuda.device_count()} are visible"
+        )
+    return device, dtype
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One rank's model (the whole model when there is one rank) and what its KV pool holds."""
+
+    model: CausalLM
+    model_config: ModelConfig  # the whole model's
+    kv_spec: KVCacheSpec  # this rank's kv heads
+    max_model_len: int
+    mode: Mode  # how the weight precision runs
+    decode_kernel: bool  # decodes attend through the Triton paged kernel (CUDA)
+    lora: LoraSlots | None = None  # the model's LoRA device slots (this rank's shards)
+
+    def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
+        """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory."""
+        device = self.model.device
+        share = ranks if device.type == "cpu" else 1
+        return size_kv_cache(
+            self.kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, self.max_model_len, share
+        )
+
+
+def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
+    """The checkpoint's config (as inspected in planning), and its weights in the profile's
+    precision (read lazily)."""
+    if config.model_format == "gguf":
+        return load_gguf(config.checkpoint, config.precision)
+    return load_hf_dir(config.checkpoint, config.precision)
+
+
+def load_rank(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int = 0,
+    size: int = 1,
+) -> RankLoad:
+    """Read this rank's weights (its shard, one checkpoint tensor at a time, when `size` > 1:
+    the caller has joined the process group) and build its model."""
+    started = time.monotonic()
+    quantized = config.precision not in FLOAT_PRECISIONS
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    mode = precision_mode(config.precision, device.type, capability)
+    try:
+        model_config, weights = read_weights(config)
+        max_model_len = context_length(model_config, config.max_model_len)
+        layout = TPLayout(model_config, rank, size) if size > 1 else None
+        shards = None
+        if layout is not None and config.model_format == "hf_dir":
+            shards = hf_dir_shards(config.checkpoint, config.precision, layout)
+        writer = None
+        if config.weight_cache_dir is not None and quantizes_at_load(
+            config.checkpoint, config.model_format, config.precision
+        ):
+            entry = config.weight_cache_dir / quant_cache.cache_key(
+                config.model_path, config.precision, {"int4_group": DEFAULT_INT4_GROUP, "gguf_group": 32}
+            )
+            cached = quant_cache.read(entry)
+            if cached is not None:
+                weights = cached
+            elif layout is None:  # the writer keeps a whole copy: never under tensor parallelism
+                writer = quant_cache.Writer(entry, config.model_path, config.precision)
+                weights = writer.wrap(weights)
+        if layout is None:
+            model = build_model(model_config, weights, dtype, device)
+        else:
+            # Only this rank's bytes where the files hold the weights as used; else one whole
+            # tensor at a time, sliced (`weights`, a lazy stream, is then read instead).
+            local = shards if shards is not None else shard_weights(weights, layout)
+            model = build_model(layout.local_config(), local, dtype, device)
+            model.use_tensor_parallel(ProcessGroupCollectives(), layout)
+        if writer is not None:
+            writer.commit()
+    except QuantizationError as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
+    except UnsupportedModelError as error:
+        raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
+    if config.fused_kernels:
+        model.use_fused_kernels()
+    if prepacking_supported(dtype, device):
+        model.prepack_for_cpu()
+    log.info(
+        "loaded %s (%s, %d layers)%s on %s, %s weights (%s, %.0f MB read per step), %s activations, "
+        "context %d, in %.1f s",
+        config.model_path,
+        model_config.architecture,
+        model_config.num_layers,
+        "" if layout is None else f" rank {rank} of {size}",
+        device,
+        config.precision if quantized else PRECISION_NAMES[dtype],
+        mode,
+        model.weight_nbytes() / 1e6,
+        dtype,
+        max_model_len,
+        time.monotonic() - started,
+    )
+    kv_spec = KVCacheSpec(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model.config.num_kv_heads,  # this rank's
+        head_dim=model_config.head_dim,
+        block_size=config.kv_cache.block_size,
+        cache_dtype=config.kv_cache.dtype,
+        model_dtype=dtype,
+    )
+    decode_kernel = device.type == "cuda" and decode_kernel_supported(kv_spec)
+    lora = None
+    if config.lora is not None:  # before the KV cache takes its share of memory
+        lora = LoraSlots.attach(model, config.lora.max_gpu_loras, config.lora.max_rank, layout)
+    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel, lora)
+
+
+def decode_kernel_supported(spec: KVCacheSpec) -> bool:
+    """Whether decodes can attend through the Triton kernel (and so run as CUDA graphs): it needs
+    triton, and an fp8 cache needs a GPU that converts fp8 (compute capability 8.9+)."""
+    if not triton_support.available():
+        log.warning("triton is not installed: decodes gather the cache and run eagerly, without graphs")
+        return False
+    if spec.cache_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        log.warning("fp8 KV cache before compute capability 8.9: decodes gather the cache, no graphs")
+        return False
+    return True
+
+
+def context_length(model: ModelConfig, requested: int | None) -> int:
+    """The context served: the model's own (or NIM_MAX_MODEL_LEN when shorter), never past what
+    its attention computes exactly.
+
+    Sliding-window models (Mistral 7B v0.1: each token sees the last 4,096) are served with full
+    attention, which is exact while the context fits the window: the default context is capped
+    at the window, and a longer NIM_MAX_MODEL_LEN is refused.
+    """
+    context = model.max_position_embeddings
+    if requested is not None:
+        if requested > context:
+            log.warning(
+                "NIM_MAX_MODEL_LEN=%d exceeds the model's context of %d; using %d",
+                requested,
+                context,
+                context,
+            )
+        context = min(requested, context)
+    window = model.sliding_window
+    if window is not None and context > window:
+        if requested is not None:
+            raise UnsupportedConfigError(
+                f"NIM_MAX_MODEL_LEN={requested}: this model uses sliding-window attention over "
+                f"{window} tokens, which this engine computes exactly only for contexts up to {window}; "
+                f"set NIM_MAX_MODEL_LEN<={window}"
+            )
+        log.warning(
+            "this model uses sliding-window attention over %d tokens; serving a context of %d "
+            "(full attention is exact within the window) instead of %d",
+            window,
+            window,
+            context,
+        )
+        context = window
+    return context
+
+
+def size_kv_cache(
+    spec: KVCacheSpec,
+    kv: KVCacheConfig,
+    max_num_seqs: int,
+    device: torch.device,
+    max_model_len: int,
+    sharers: int = 1,
+) -> int:
+    """Number of KV blocks: a share of free memory (split between `sharers` pools on one device),
+    capped by an explicit token count and by what max_num_seqs full-context sequences could ever
+    use. Logged, since it bounds concurrency.
+    """
+    fraction = kv.memory_fraction
+    if fraction is None:
+        fraction = DEFAULT_KV_FRACTION[device.type]
+    budget_tokens = int(free_memory_bytes(device) * fraction / sharers) // spec.bytes_per_token()
+    caps = [budget_tokens, max_num_seqs * max_model_len]
+    if kv.max_tokens is not None:
+        caps.append(kv.max_tokens)
+    num_blocks = min(caps) // spec.block_size
+    max_len_blocks = cdiv(max_model_len, spec.block_size)
+    if num_blocks < max_len_blocks:
+        raise KVCacheTooSmallError(
+            f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than one {max_model_len}-token "
+            "sequence: lower NIM_MAX_MODEL_LEN, raise NIM_KV_CACHE_PERCENT / NIM_KV_CACHE_MAX_TOKENS, "
+            "or use NIM_KV_CACHE_DTYPE=int8"
+        )
+    tokens = num_blocks * spec.block_size
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%s, %d bytes/token, %.2f GiB); "
+        "%d sequences of the full %d-token context fit",
+        num_blocks,
+        spec.block_size,
+        tokens,
+        spec.name,
+        spec.bytes_per_token(),
+        tokens * spec.bytes_per_token() / 2**30,
+        tokens // max_model_len,
+        max_model_len,
+    )
+    return num_blocks
