@@ -282,16 +282,21 @@ def next_token_predictions(
 def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, cache_dtype: str) -> None:
     prompts = chat_prompts(engine)
     generated = run_all(
-        engine, [request(f"g{i}", p, max_tokens=GENERATED, ignore_eos=True) for i, p in enumerate(prompts)]
+        engine,
+        [
+            request(f"g{i}", p, max_tokens=GENERATED, ignore_eos=True, logprobs=2)
+            for i, p in enumerate(prompts)
+        ],
     )
     sequences = [p + generated[f"g{i}"].token_ids for i, p in enumerate(prompts)]
     skip = [len(p) for p in prompts]
     reference = next_token_predictions(engine, sequences, skip)
     quantized = make_engine(kv_cache_dtype=cache_dtype)
     try:
-        # The first greedy token is decided by the prompt alone, computed in one chunk from the
-        # keys/values as computed (first, so that no prompt block comes from the prefix cache,
-        # where it is stored quantized): it never changes.
+        # The first greedy token is decided by the prompt alone (run first, so that no block comes
+        # from an earlier request's cache), but the prompts share their template's first blocks and
+        # a prompt split by the step's token budget reads its first chunk back: both come from the
+        # quantized cache. It stays unless the reference's top two are nearly tied.
         first = run_all(quantized, [request(f"f{i}", p, max_tokens=1) for i, p in enumerate(prompts)])
         got = next_token_predictions(quantized, sequences, skip)
     finally:
@@ -302,8 +307,22 @@ def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, ca
     total = sum(len(ref) for ref in reference)
     assert total == len(QUESTIONS) * GENERATED
     assert agree / total >= MIN_AGREEMENT[cache_dtype], (agree, total)
-    for i in range(len(prompts)):
+    clear = [i for i in range(len(prompts)) if _first_margin(generated[f"g{i}"]) > FIRST_TOKEN_MARGIN]
+    assert len(clear) >= len(prompts) - 2, "too many near-ties to check the first tokens"
+    for i in clear:
         assert first[f"f{i}"].token_ids == generated[f"g{i}"].token_ids[:1], i
+
+
+# nats: a quantized cache moves a logprob by a few hundredths here (one fp32 first token tied at 0.026)
+FIRST_TOKEN_MARGIN = 0.1
+
+
+def _first_margin(result: Result) -> float:
+    """How far the first generated token's logprob lies above the runner-up's."""
+    entry = next(lp for out in result.outputs if out.logprobs for lp in out.logprobs)
+    assert entry is not None
+    (_, best), (_, second) = entry.top[:2]
+    return best - second
 
 
 def test_engine_failure_fails_requests_readiness_and_reports() -> None:
