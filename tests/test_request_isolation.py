@@ -62,6 +62,20 @@ def _signature(result) -> list[tuple[int, float | None]]:
     ]
 
 
+# The same tokens, and logprobs equal up to float32 rounding: bitwise on CPUs whose matmuls round a
+# row alike at every batch size (AVX-512), within ~1e-5 nats on an AVX2-only CPU in fp32, whose
+# float32 matmul rounds a row differently when the batch gains a row.
+LOGPROB_ROUNDING = 1e-4
+
+
+def _same_answer(got, expected) -> bool:
+    a, b = _signature(got), _signature(expected)
+    return [t for t, _ in a] == [t for t, _ in b] and all(
+        (x is None and y is None) or (x is not None and y is not None and abs(x - y) <= LOGPROB_ROUNDING)
+        for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
 def _poisoned_filtered_probs(original):
     def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if params.seed == POISON_SEED:
@@ -115,7 +129,7 @@ def test_a_fault_in_one_row_ends_that_request_and_no_other(
     assert failed.finished and failed.error, failed
     assert failed.error_cause == ("engine" if fault != "sampling" else "request")
     for request in batch:
-        assert _signature(together[request.request_id]) == _signature(clean[request.request_id])
+        assert _same_answer(together[request.request_id], clean[request.request_id]), request.request_id
         assert together[request.request_id].finish_reason == "length"
     assert engine.ready and engine.failure is None
 
@@ -149,7 +163,7 @@ def test_a_grammar_dead_end_at_run_time_ends_that_request_alone(engine: TorchEng
     )
     assert together["dead-end"].token_ids == engine.tokenizer.encode("a", False)
     for request in batch:
-        assert _signature(together[request.request_id]) == _signature(clean[request.request_id])
+        assert _same_answer(together[request.request_id], clean[request.request_id]), request.request_id
     assert engine.ready
 
 
@@ -246,5 +260,5 @@ def test_a_request_whose_keys_turned_nan_leaves_no_trace(
     engine.pool.reset_cache()
     after = run_all(engine, batch)
     for request in batch:
-        assert _signature(after[request.request_id]) == _signature(clean[request.request_id])
+        assert _same_answer(after[request.request_id], clean[request.request_id]), request.request_id
     wait_idle(engine)
