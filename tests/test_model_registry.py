@@ -38,6 +38,8 @@ ENGINE_MODULES = (
     "service/engine/torch/cuda_graphs.py",
     "service/engine/torch/lora_slots.py",
     "service/engine/torch/scripted_decode.py",
+    "service/engine/torch/rank_loading.py",
+    "service/engine/torch/decode_path.py",
 )
 _TINY = {
     "hidden_size": 32,
