@@ -40,20 +40,13 @@ from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM, Reduce
 from service.engine.models.quant import NVFP4Weight, QuantizationError, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
+from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS
 
 if TYPE_CHECKING:
     from service.engine.models.tensor_parallel import Collectives, TPLayout
 
 # One expert's projection in a per-expert checkpoint: (layer prefix, expert, projection).
 _EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-_PROJECTIONS = {
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
-    "w1": "gate",
-    "w3": "up",
-    "w2": "down",
-}
 # transformers 5's stacked experts of one layer: (layer prefix, which).
 _STACKED_EXPERTS = re.compile(
     r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
@@ -246,7 +239,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             if match is None:
                 yield name.replace(".block_sparse_moe.", ".mlp."), tensor
                 continue
-            prefix, expert, projection = match.group(1), int(match.group(2)), _PROJECTIONS.get(match.group(3))
+            prefix, expert = match.group(1), int(match.group(2))
+            projection = EXPERT_PROJECTIONS.get(match.group(3))
             if projection is None or expert >= experts:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of this model")
             if isinstance(tensor, NVFP4Weight):

@@ -58,8 +58,9 @@ _PROJECTION = re.compile(
     r"|(?:mlp|block_sparse_moe)\.experts\.\d+\.(?P<expert>gate_proj|up_proj|down_proj|w1|w3|w2))"
     r"\.(?P<kind>weight|bias)"
 )
-# An expert's projection -> its dense MLP counterpart (Mixtral's w1/w3/w2 are gate/up/down).
-_EXPERT_MLP = {
+# An expert's projection -> its dense MLP counterpart (Mixtral's w1/w3/w2 are gate/up/down); the
+# MoE model reads its checkpoints by the same table.
+EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
     "up_proj": "up",
     "down_proj": "down",
@@ -151,7 +152,7 @@ class TPLayout:
         attn, mlp, kind = match["attn"], match["mlp"], match["kind"]
         inter = self.intermediate
         if match["expert"] is not None:
-            mlp, inter = _EXPERT_MLP[match["expert"]], self.moe_intermediate
+            mlp, inter = EXPERT_PROJECTIONS[match["expert"]], self.moe_intermediate
         if attn == "q":
             start = self.rank * self.heads * head_dim
             return "rows", start, start + self.heads * head_dim
