@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EMBEDDED_NAME
+from tests.conftest import EMBEDDED_NAME, embedded_default_precision
 
 STORY = [{"role": "user", "content": "Write a short story about a cat who learns to fly."}]
 # A question whose greedy answer has a clear margin at every token (over 1 nat), so it is the
@@ -219,4 +219,6 @@ def test_engine_metrics_are_exposed(base_url: str) -> None:
     ):
         assert any(line.startswith(name) for line in text.splitlines()), name
     info = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
-    assert 'block_size="16"' in info and "num_gpu_blocks=" in info and 'cache_dtype="bfloat16"' in info
+    # An auto KV cache holds the activation dtype: bfloat16 beside int4 weights, float32 in fp32.
+    activations = "float32" if embedded_default_precision() == "fp32" else "bfloat16"
+    assert 'block_size="16"' in info and "num_gpu_blocks=" in info and f'cache_dtype="{activations}"' in info
