@@ -268,6 +268,24 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_TOOL_CALL_PARSER"),
         description="The model's tool-call format; unset = recognised from its chat template.",
     )
+    chat_template: str | None = Field(
+        None,
+        validation_alias=_env("NIM_CHAT_TEMPLATE"),
+        description="The chat template conversations are rendered with instead of the model's: a file "
+        "path or inline Jinja, rendered in the same sandbox as the model's own.",
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        validation_alias=_env("NIM_TRUST_REQUEST_CHAT_TEMPLATE"),
+        description="1: a request may bring its own `chat_template` (sandboxed, size- and time-limited); "
+        "unset, such a request is refused with 400 (vLLM's --trust-request-chat-template).",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        validation_alias=_env("NIM_REASONING_PARSER"),
+        description="Split a reasoning model's thinking from its answer into `reasoning_content`; unset = "
+        "recognised from the chat template where it shows the format, else off.",
+    )
     enable_auto_tool_choice: bool = Field(
         True,
         validation_alias=_env("NIM_ENABLE_AUTO_TOOL_CHOICE"),

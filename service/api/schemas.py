@@ -23,6 +23,7 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk, not only the last
 
 
 class TextPart(BaseModel):
@@ -80,6 +81,7 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     nvext: NVExt | None = None
 
     @field_validator("stop")
@@ -121,6 +123,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM extensions: the template a conversation is rendered with and variables passed to it
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -27,6 +27,8 @@ class ApiLimits:
     always_include_usage: bool = False
     tool_call_parser: ParserName | None = None  # None: recognised from the chat template
     auto_tool_choice: bool = True
+    trust_request_chat_template: bool = False  # a request's own `chat_template` is rendered, not refused
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None  # NIM_REASONING_PARSER as set
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ApiLimits:
@@ -38,6 +40,8 @@ class ApiLimits:
             always_include_usage=settings.always_include_usage,
             tool_call_parser=settings.tool_call_parser,
             auto_tool_choice=settings.enable_auto_tool_choice,
+            trust_request_chat_template=settings.trust_request_chat_template,
+            reasoning_parser=settings.reasoning_parser,
         )
 
 
