@@ -166,11 +166,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those the reasoning parser put in reasoning_content
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -179,6 +184,7 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking (NIM_REASONING_PARSER)
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -197,11 +203,13 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's: per prompt token, by token id
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -227,6 +235,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's: per prompt token, by token id
 
 
 class CompletionResponse(BaseModel):
