@@ -29,6 +29,9 @@ class GuidedDecoding:
     # json_schema only: literal text around the JSON (a tool call's markers, e.g. "<tool_call>\n")
     prefix: str = ""
     suffix: str = ""
+    # Constrain only the text after these token ids have been generated (a reasoning model's end of
+    # thinking, e.g. `</think>`): the reasoning before them is free. Empty: from the first token.
+    start_after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; None for token 0
     num_cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
     time: float = 0.0  # time.monotonic() when the engine produced this delta
+    # time.monotonic() when the engine first scheduled the request (its queue time ends there);
+    # on every output, None where the engine cannot tell
+    first_scheduled_time: float | None = None
 
     @property
     def failed(self) -> bool:
