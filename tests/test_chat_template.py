@@ -7,7 +7,9 @@ tokens, end to end through `Tokenizer`, is covered in test_tokenizer.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
+import time
 
 import pytest
 import tokenizers
@@ -15,7 +17,15 @@ from jinja2.exceptions import SecurityError
 from tokenizers import models
 from transformers import PreTrainedTokenizerFast
 
-from service.text.chat_template import ChatTemplate, ChatTemplateError
+from service.text.chat_template import (
+    MAX_RENDERED_CHARS,
+    MAX_TEMPLATE_BYTES,
+    RENDER_CPU_SECONDS,
+    ChatTemplate,
+    ChatTemplateError,
+    TemplateCache,
+)
+from service.text.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 HI = [{"role": "user", "content": "hi"}]
@@ -187,3 +197,112 @@ def test_gemma3_template_refuses_roles_that_do_not_alternate(hf):
     with pytest.raises(ChatTemplateError) as info:
         ChatTemplate(GEMMA3_TEMPLATE).render(messages)
     assert str(info.value) == "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits: every render (a model's template too) is stopped past its CPU seconds and output size
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        # no call, attribute or output in the inner loop: only the watchdog can stop it
+        "{% set l = range(100000) | list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}",
+    ],
+    ids=["nested-ranges", "plain-loops"],
+)
+def test_a_template_looping_without_output_stops_at_the_deadline(template: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=f"over {RENDER_CPU_SECONDS:g} s of CPU time") as info:
+        ChatTemplate(template).render(HI)
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - started < 60  # CPU seconds; the wall clock runs on under load
+    # The thread goes on unharmed: no stopping exception is left pending for it.
+    assert (
+        ChatTemplate(STRING_TEMPLATE).render(HI, True)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    time.sleep(0.2)
+
+
+def test_the_limit_stops_only_its_own_render_on_a_worker_thread() -> None:
+    endless = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    quick = ChatTemplate(STRING_TEMPLATE)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stopped = pool.submit(endless.render, HI)
+        rendered = [pool.submit(quick.render, HI).result() for _ in range(200)]
+        with pytest.raises(ChatTemplateError, match="CPU time"):
+            stopped.result()
+        assert pool.submit(quick.render, HI).result() == rendered[0]
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}", "rendered over"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}", "over"),
+        ("{{ 'x' * 10000000000 }}", "built a value of over"),
+        ("{{ ([1] * 100000) * 100000 }}", "built a value of over"),
+        ("{{ 7 ** 1000000000 }}", "power of over"),
+    ],
+    ids=["big-chunks", "many-chunks", "repeat-string", "repeat-list", "power"],
+)
+def test_output_bombs_stop(template: str, message: str) -> None:
+    with pytest.raises(ChatTemplateError, match=message) as info:
+        ChatTemplate(template).render(HI)
+    assert "\n" not in str(info.value)
+    assert (
+        f"{MAX_RENDERED_CHARS}" in str(info.value)
+        or "CPU time" in str(info.value)
+        or "bits" in str(info.value)
+    )
+
+
+def test_small_repetitions_and_powers_still_work() -> None:
+    assert (
+        ChatTemplate("{{ '-' * 3 }}{{ 3 * 'ab' }}{{ 2 ** 10 }}{{ 2.5 * 2 }}").render(HI) == "---ababab10245.0"
+    )
+
+
+def test_a_template_nested_past_the_compiler_is_an_error_not_a_crash() -> None:
+    deep = ChatTemplate("{{ " + "(" * 20000 + "1" + ")" * 20000 + " }}")
+    assert deep.error is not None and "\n" not in deep.error
+    with pytest.raises(ChatTemplateError, match="chat template is invalid"):
+        deep.render(HI)
+
+
+def test_request_templates_are_size_limited_compiled_once_and_the_cache_is_bounded() -> None:
+    cache = TemplateCache(max_entries=3, max_bytes=10_000)
+    first = cache.get("{{ 1 }}")
+    assert cache.get("{{ 1 }}") is first  # compiled once
+    for i in range(5):
+        cache.get(f"{{{{ {i} }}}}")
+    assert len(cache) == 3  # bounded by count, least recently used out
+    by_bytes = TemplateCache(max_entries=100, max_bytes=10_000)
+    for i in range(5):
+        by_bytes.get("{# " + "x" * 3000 + f" #}}{i}")
+    assert len(by_bytes) == 3 and by_bytes.nbytes <= 10_000  # bounded by bytes: three 3 kB sources fit
+    by_bytes.get("{# " + "y" * 6000 + " #}")
+    assert len(by_bytes) == 2 and by_bytes.nbytes <= 10_000
+    over = "x" * (MAX_TEMPLATE_BYTES + 1)
+    with pytest.raises(ChatTemplateError) as info:
+        cache.get(over)
+    assert (
+        str(info.value)
+        == f"chat_template is {MAX_TEMPLATE_BYTES + 1} bytes, over the {MAX_TEMPLATE_BYTES} limit"
+    )
+    with pytest.raises(ChatTemplateError, match="chat template is invalid"):
+        cache.get("{% for x in %}")
+
+
+def test_a_request_template_is_rendered_instead_of_the_models() -> None:
+    backend = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    tokenizer = Tokenizer(backend=backend, vocab_size=1, templates={"default": STRING_TEMPLATE})
+    own = "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{{ flavour }}"
+    assert tokenizer.apply_chat_template(HI, chat_template=own, flavour="!") == "[user|hi]!"
+    assert tokenizer.chat_template_for(source=own) is tokenizer.chat_template_for(source=own)
+    assert tokenizer.apply_chat_template(HI).startswith("<|im_start|>user")  # the model's, unchanged
+    with pytest.raises(ChatTemplateError, match="chat template is invalid"):
+        tokenizer.apply_chat_template(HI, chat_template="{% if %}")

@@ -14,11 +14,20 @@ Differences from transformers: the `{% generation %}` tag is not supported; a co
 list of parts may hold only text parts, and a template that expects a string content gets the
 parts' texts joined (transformers would fail on it). Templates run in the immutable sandbox and only
 ever see copies made of plain builtins, so they cannot reach Python internals or mutate caller data.
+
+Every render, the model's own template included, is limited: RENDER_CPU_SECONDS of its thread's CPU
+time (service.text.render_limit stops a template that loops without end, output or not) and
+MAX_RENDERED_CHARS of output (counted chunk by chunk as Jinja generates it; a repetition `*` or a
+power `**` that would build a larger value is refused before it is computed). A template a request
+brings (`chat_template`, when the operator trusts requests with it) is also limited to
+MAX_TEMPLATE_BYTES of source and compiled once per distinct source (`TemplateCache`).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from datetime import datetime
@@ -29,13 +38,30 @@ import jinja2.ext
 import jinja2.meta
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from service.text.render_limit import RenderTimeout, limited
 from service.util import one_line
 
-__all__ = ["NO_CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError"]
+__all__ = [
+    "MAX_RENDERED_CHARS",
+    "MAX_TEMPLATE_BYTES",
+    "NO_CHAT_TEMPLATE",
+    "RENDER_CPU_SECONDS",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "TemplateCache",
+]
 
 NO_CHAT_TEMPLATE = "model has no chat template; use /v1/completions or set a chat template"
+
+MAX_TEMPLATE_BYTES = 64 * 1024  # a request's own chat_template source, in UTF-8 bytes
+RENDER_CPU_SECONDS = 2.0  # CPU time one render may take (a real template takes milliseconds)
+# Characters one render may produce, and items any one value it builds may hold: twice the largest
+# request body (NIM_MAX_REQUEST_BYTES' default), so no conversation a request can carry is refused.
+MAX_RENDERED_CHARS = 32 * 1024 * 1024
+_MAX_POWER_BITS = 1 << 16  # `a ** b` between integers: the largest result, in bits
 
 
 class ChatTemplateError(ValueError):
@@ -53,13 +79,15 @@ class ChatTemplate:
         self.source = source
         env = _jinja_env()
         self._error: str | None = None  # why it does not compile
+        template, wants_parts, variables = None, False, frozenset[str]()
         try:
             ast = env.parse(source)
             template, wants_parts = env.from_string(ast), _iterates_content(ast)
             variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         except TemplateSyntaxError as exc:
-            template, wants_parts, variables = None, False, frozenset()
             self._error = f"chat template is invalid: {exc.message} (line {exc.lineno})"
+        except (RecursionError, SyntaxError, MemoryError):  # Jinja's parser, or Python's compiler
+            self._error = "chat template is invalid: nested too deeply to compile"
         self._template: jinja2.Template | None = template
         self._wants_parts = wants_parts  # pass list content through instead of joining its text
         self._variables = variables
@@ -90,7 +118,8 @@ class ChatTemplate:
         the messages are malformed, or the template refuses them (`raise_exception`) or fails while
         rendering -- including sandbox violations.
         """
-        if self._template is None:
+        template = self._template
+        if template is None:
             raise ChatTemplateError(self._error)
         try:
             conversation = _prepare_messages(messages, self._wants_parts)
@@ -99,13 +128,17 @@ class ChatTemplate:
                 "documents": None,
                 **(special_tokens or {}),
                 **_plain(extra),
+                "messages": conversation,
+                "add_generation_prompt": add_generation_prompt,
             }
         except RecursionError:
             raise ChatTemplateError("messages or tools are nested too deeply to render") from None
         try:
-            return self._template.render(
-                messages=conversation, add_generation_prompt=add_generation_prompt, **variables
-            )
+            return limited(lambda: _generate(template, variables), RENDER_CPU_SECONDS)
+        except RenderTimeout:
+            raise ChatTemplateError(
+                f"chat template took over {RENDER_CPU_SECONDS:g} s of CPU time to render; stopped"
+            ) from None
         except ChatTemplateError:
             raise
         except SecurityError as exc:
@@ -116,6 +149,66 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"chat template failed to render: {one_line(exc, with_type=True)}"
             ) from exc
+
+
+def _generate(template: jinja2.Template, variables: dict[str, Any]) -> str:
+    """The rendered text, chunk by chunk, stopped once it passes MAX_RENDERED_CHARS."""
+    chunks: list[str] = []
+    size = 0
+    for chunk in template.generate(**variables):
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise ChatTemplateError(f"chat template rendered over {MAX_RENDERED_CHARS} characters; stopped")
+        chunks.append(chunk)
+    return "".join(chunks)
+
+
+class TemplateCache:
+    """Compiled templates of request-given sources, least recently used out, bounded by count and by
+    the bytes of source held (compiling a template costs far more than a cache lookup). Thread-safe:
+    conversations are rendered on worker threads."""
+
+    def __init__(self, max_entries: int = 64, max_bytes: int = 4 * 1024 * 1024) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._templates)
+
+    @property
+    def nbytes(self) -> int:
+        """UTF-8 bytes of the sources held."""
+        return self._bytes
+
+    def get(self, source: str) -> ChatTemplate:
+        """The compiled `source`; ChatTemplateError when it is over MAX_TEMPLATE_BYTES or does not
+        compile (such a source is kept too, so it is not compiled again)."""
+        size = len(source.encode("utf-8", "surrogatepass"))
+        if size > MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"chat_template is {size} bytes, over the {MAX_TEMPLATE_BYTES} limit")
+        with self._lock:
+            template = self._templates.get(source)
+            if template is not None:
+                self._templates.move_to_end(source)
+        if template is None:
+            template = ChatTemplate(source)  # outside the lock: other requests' lookups go on
+            self._put(source, size, template)
+        if template.error is not None:
+            raise ChatTemplateError(template.error)
+        return template
+
+    def _put(self, source: str, size: int, template: ChatTemplate) -> None:
+        with self._lock:
+            if source in self._templates:
+                return
+            self._templates[source] = template
+            self._bytes += size
+            while len(self._templates) > self.max_entries or self._bytes > self.max_bytes:
+                evicted, _ = self._templates.popitem(last=False)
+                self._bytes -= len(evicted.encode("utf-8", "surrogatepass"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,16 +269,39 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
-_ENV: ImmutableSandboxedEnvironment | None = None
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, whose `*` and `**` refuse to build a value too large to hold."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for value, times in ((left, right), (right, left)):
+                sized = isinstance(value, (str, list, tuple)) and isinstance(times, int)
+                if sized and len(value) * times > MAX_RENDERED_CHARS:
+                    raise ChatTemplateError(
+                        f"chat template built a value of over {MAX_RENDERED_CHARS} items; stopped"
+                    )
+        elif operator == "**" and _power_bits(left, right) > _MAX_POWER_BITS:
+            raise ChatTemplateError(f"chat template computed a power of over {_MAX_POWER_BITS} bits; stopped")
+        return super().call_binop(context, operator, left, right)
 
 
-def _jinja_env() -> ImmutableSandboxedEnvironment:
+def _power_bits(base: Any, exponent: Any) -> int:
+    """About the bits of `base ** exponent` between integers (0 for anything else)."""
+    if not isinstance(base, int) or not isinstance(exponent, int) or exponent <= 0 or abs(base) <= 1:
+        return 0
+    return exponent * base.bit_length()
+
+
+_ENV: _TemplateEnvironment | None = None
+
+
+def _jinja_env() -> _TemplateEnvironment:
     """The environment transformers renders chat templates in (less its `{% generation %}` tag)."""
     global _ENV
     if _ENV is None:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
+        env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now

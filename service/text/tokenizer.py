@@ -24,7 +24,7 @@ from typing import Any
 
 import tokenizers
 
-from service.text.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from service.text.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, TemplateCache
 from service.text.gguf_vocab import (
     added_tokens,
     bos_eos_processor,
@@ -133,7 +133,9 @@ class Tokenizer:
 
     `templates` maps a name to Jinja source; "default" is the chat template and "tool_use", when a
     model has one, is used instead when tools are passed (transformers' rule). `template_tokens`
-    are the special-token strings templates see (`bos_token`, `eos_token`, ...).
+    are the special-token strings templates see (`bos_token`, `eos_token`, ...). A template a
+    request brings is compiled once per distinct source and kept in a small cache
+    (service.text.chat_template.TemplateCache).
     """
 
     backend: tokenizers.Tokenizer = field(repr=False)
@@ -150,6 +152,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self.max_token_chars = _max_token_chars(self.backend)
         self._chat_templates = {name: ChatTemplate(source) for name, source in self.templates.items()}
+        self._request_templates = TemplateCache()
         byte_level = "ByteLevel" in repr(self.backend.decoder)
         self._byte_decoder = {ch: b for b, ch in byte_alphabet().items()} if byte_level else None
 
@@ -327,23 +330,40 @@ class Tokenizer:
             self.templates.pop("default", None)
             self._chat_templates.pop("default", None)
 
-    def chat_template_for(self, tools: bool = False) -> ChatTemplate | None:
-        """The template a conversation is rendered with: "tool_use", when tools are passed and the
+    def replace_templates(self, templates: Mapping[str, str]) -> None:
+        """Serve these chat templates (name -> Jinja source) instead of the model's own."""
+        self.templates = dict(templates)
+        self._chat_templates = {name: ChatTemplate(source) for name, source in self.templates.items()}
+
+    def chat_template_for(self, tools: bool = False, source: str | None = None) -> ChatTemplate | None:
+        """The template a conversation is rendered with: `source` when given (a request's own
+        template: compiled once and cached; ChatTemplateError, one line, when it is over
+        MAX_TEMPLATE_BYTES or does not compile), else "tool_use", when tools are passed and the
         model has one, else "default" (None: the model has no chat template)."""
+        if source is not None:
+            return self._request_templates.get(source)
         name = "tool_use" if tools and "tool_use" in self._chat_templates else "default"
         return self._chat_templates.get(name)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        **extra: Any,
     ) -> str:
         """Render a conversation to prompt text exactly as transformers' `apply_chat_template` would.
 
-        `extra` becomes template variables (`tools`, `documents`, `enable_thinking`, ...) and may
-        override the special-token strings. Raises ChatTemplateError, with a one-line reason, when
-        there is no template, it does not compile, the messages are malformed, or the template
-        refuses them (`raise_exception`) or fails while rendering -- including sandbox violations.
+        `chat_template`: a request's own template source, used instead of the model's (see
+        `chat_template_for`). `extra` becomes template variables (`tools`, `documents`,
+        `enable_thinking`, ...) and may override the special-token strings. Raises
+        ChatTemplateError, with a one-line reason, when there is no template, it does not compile
+        or is too large, the messages are malformed, the template refuses them (`raise_exception`),
+        fails while rendering -- sandbox violations included -- or passes the render limits
+        (service.text.chat_template's RENDER_CPU_SECONDS and MAX_RENDERED_CHARS).
         """
-        template = self.chat_template_for(tools=extra.get("tools") is not None)
+        template = self.chat_template_for(tools=extra.get("tools") is not None, source=chat_template)
         if template is None:
             raise ChatTemplateError(NO_CHAT_TEMPLATE)
         return template.render(messages, add_generation_prompt, self.template_tokens, **extra)
