@@ -173,7 +173,7 @@ def test_a_gguf_file(tmp_path: Path) -> None:
 def test_the_gguf_header_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
     """The inspection's reader steps over string arrays (their length kept) and reads number arrays
     at once; every other field, and every number array, reads as gguf's own reader has it."""
-    from service.store.checkpoint import _header_reader_class
+    from service.store.checkpoint import _header_reader_class, gguf_strings
 
     path = tmp_path / "arrays.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -196,6 +196,7 @@ def test_the_gguf_header_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
         if field.types[:2] != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
             assert mine.contents() == field.contents(), key
     assert ours.fields["llama.attention.head_count"].contents() == [4, 8, 4]
+    assert gguf_strings(ours, "tokenizer.ggml.tokens") == ["a", "bb", "ccc", "\u00e9"]
     assert [(t.name, t.n_bytes) for t in ours.tensors] == [(t.name, t.n_bytes) for t in theirs.tensors]
 
 

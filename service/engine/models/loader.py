@@ -36,7 +36,7 @@ from service.engine.models.quant import (
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
-from service.store.checkpoint import Checkpoint, inspect_local, weight_files
+from service.store.checkpoint import Checkpoint, gguf_reader, inspect_local, weight_files
 
 Weight = torch.Tensor | QuantizedWeight
 # Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).
@@ -98,7 +98,7 @@ def quantizes_at_load(source: Checkpoint | Path, model_format: str, precision: s
     checkpoint = inspected(source)
     if model_format != "gguf":
         return checkpoint.quantization is None
-    reader = gguf.GGUFReader(str(checkpoint.path))
+    reader = gguf_reader(checkpoint.path)
     for tensor in reader.tensors:
         if tensor.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -260,7 +260,7 @@ def load_gguf(
     The file is memory-mapped; tensors are read one at a time as the iterator is consumed.
     """
     path = source.path if isinstance(source, Checkpoint) else Path(source)
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     config = source.config if isinstance(source, Checkpoint) else ModelConfig.from_gguf(reader)
     if precision == "nvfp4":
         raise QuantizationError(
