@@ -336,3 +336,47 @@ def test_deeply_nested_parameters_are_never_a_500(server) -> None:
             }
             response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
             assert response.status_code in (200, 400), (depth, choice, response.text)
+
+
+def test_a_call_cut_by_max_tokens_is_dropped_not_returned_as_content() -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    hermes = _spec("hermes")
+    assert hermes.parse('Let me check.\n<tool_call>\n{"name": "get_ti', cut=True) == ("Let me check.", [])
+    assert hermes.parse('<tool_call>\n{"name": "get_ti', cut=True) == (None, [])
+    assert hermes.parse("Let me check.<tool_c", cut=True) == ("Let me check.", [])  # a marker cut short
+    content, calls = hermes.parse(f"Sure.{call}\n<tool_call>\n{{", cut=True)
+    assert content == "Sure." and [c.name for c in calls] == ["get_time"]  # the finished call is kept
+    assert hermes.parse("Just words, cut", cut=True) == ("Just words, cut", [])
+    assert hermes.parse('<tool_call>\n{"name": "get_ti') == ('<tool_call>\n{"name": "get_ti', [])  # not cut
+    forced = _spec("hermes", choice="required", parallel=False)
+    assert forced.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Li', cut=True) == (
+        None,
+        [],
+    )
+
+    llama = _spec("llama3_json")
+    finished = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    assert llama.parse('<|python_tag|>{"name": "get_time", "param', cut=True) == (None, [])
+    assert llama.parse('  {"na', cut=True) == (None, [])
+    content, calls = llama.parse(finished + '; {"name": "get_weather", "parameters": {"ci', cut=True)
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    assert llama.parse("{ is how a set starts", cut=True) == ("{ is how a set starts", [])  # not a call
+
+    mistral = _spec("mistral")
+    assert mistral.parse('[TOOL_CALLS][{"name": "get_time", "arguments": {"zo', cut=True) == (None, [])
+    assert mistral.parse("Hello [TOOL_CA", cut=True) == ("Hello", [])
+
+
+def test_a_streamed_call_cut_by_max_tokens_sends_nothing_of_it() -> None:
+    from service.api.tools import ToolStream
+
+    stream = ToolStream(_spec("hermes"))
+    sent = "".join(stream.feed(p) for p in ["Checking. ", "<tool_call>\n", '{"name": "get_time", "argu'])
+    assert sent == "Checking. " and stream.finish(cut=True) == (None, [])
+    short = ToolStream(_spec("hermes"))
+    assert short.feed("Checking. <tool") == "Checking. " and short.finish(cut=True) == (None, [])
+    words = ToolStream(_spec("hermes"))
+    assert words.feed("A long answer <to") == "A long answer " and words.finish(cut=False) == ("<to", [])
+    llama = ToolStream(_spec("llama3_json"))
+    assert llama.feed('{"name": "get_time", "parameters": {"zone": ') == ""
+    assert llama.finish(cut=True) == (None, [])

@@ -108,10 +108,21 @@ class ToolSpec:
         }[self.parser]
         return GuidedDecoding("json_schema", json.dumps(schema), prefix=prefix, suffix=suffix)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) from a finished answer; calls is empty when it is not well formed."""
+    def parse(self, text: str, *, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) from a finished answer; calls is empty when it is not well formed.
+
+        `cut`: the generation was stopped by max_tokens. A call it started and did not finish is
+        dropped, never returned as content: the answer is the text before it, with the calls
+        finished before it (the finish reason stays "length"; the route decides it).
+        """
+        if cut:
+            start = _unfinished_call(self.parser, text)
+            if start is not None:
+                before = text[:start]
+                kept, finished = self.parse(before) if before.strip() else (None, [])
+                return (kept.rstrip() or None if kept is not None else None), finished
         parsed = text
-        if self.stop and text.count("<tool_call>") > text.count(_HERMES_END):
+        if self.stop and not cut and text.count("<tool_call>") > text.count(_HERMES_END):
             parsed += _HERMES_END  # the stop string ended the call, and is not in the text
         try:
             calls = _PARSE[self.parser](parsed)
@@ -161,12 +172,62 @@ class ToolStream:
         self.emitted = self.emitted or bool(out)
         return out
 
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """At the end: (content still to send, the calls) from what was held."""
+    def finish(self, *, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """At the end: (content still to send, the calls) from what was held. `cut`: generation
+        was stopped by max_tokens, and a call it left unfinished is dropped (ToolSpec.parse)."""
         if not self.held:
             return None, []
-        content, calls = self.spec.parse(self.held)
-        return (content, calls) if calls else (self.held, [])
+        content, calls = self.spec.parse(self.held, cut=cut)
+        if calls or cut:
+            return content, calls
+        return self.held, []
+
+
+def _unfinished_call(parser: ParserName, text: str) -> int | None:
+    """Where a call that `text` starts but does not finish begins (a marker cut short included);
+    None when every call in it is finished, or none was begun."""
+    if parser == "hermes":
+        at = text.rfind("<tool_call>")
+        if at >= 0 and _HERMES_END not in text[at:]:
+            return at
+        keep = _overlap(text, "<tool_call>")
+        return len(text) - keep if keep else None
+    if parser == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        if at < 0:
+            keep = _overlap(text.rstrip(), "[TOOL_CALLS]")
+            return len(text.rstrip()) - keep if keep else None
+        return at if _PARSE["mistral"](text[at:]) is None else None
+    return _unfinished_llama3(text)
+
+
+def _unfinished_llama3(text: str) -> int | None:
+    """llama3_json: the answer is `;`-separated call objects from its start (after an optional
+    <|python_tag|>); where the first object that does not decode begins (the tag, when none does)."""
+    body = text.lstrip()
+    start = len(text) - len(body)
+    compact = "".join(body[:40].split())
+    if not (
+        body.startswith("<|python_tag|>") or compact.startswith('{"name"') or '{"name"'.startswith(compact)
+    ):
+        return None
+    decoder = json.JSONDecoder()
+    position = start + (len("<|python_tag|>") if body.startswith("<|python_tag|>") else 0)
+    first = True
+    while True:
+        while position < len(text) and text[position].isspace():
+            position += 1
+        if position == len(text):
+            return start if first else None
+        try:
+            _, position = decoder.raw_decode(text, position)
+        except (ValueError, RecursionError):
+            return start if first else position
+        first = False
+        rest = text[position:].lstrip()
+        if not rest.startswith(";"):
+            return None  # finished (or not the format at all: then it is content)
+        position = len(text) - len(rest) + 1
 
 
 def _overlap(text: str, marker: str) -> int:
