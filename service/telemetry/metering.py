@@ -8,7 +8,10 @@ place that turns them into series:
   is now and counters are exactly the engine's cumulative counts;
 - timed `RequestOutput` deltas, observed by `MeteredEngine` as they pass to the API: time to
   first token and between tokens (from the engine's own timestamps), token counts, how each
-  request ended and its end-to-end latency. A request the client abandons counts as `abort`.
+  request ended, its end-to-end latency and vLLM's phases (queued until the engine first
+  scheduled it, prefill until its first token, decode until its last; an engine that cannot tell
+  when it scheduled a request leaves queue, prefill and inference unobserved). A request the
+  client abandons counts as `abort`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from service.engine.protocol import (
     Histogram,
     RequestOutput,
 )
-from service.telemetry.metrics import Metrics
+from service.telemetry.metrics import Metrics, RequestTimes
 
 
 class EngineStatsCollector(Collector):
@@ -139,18 +142,38 @@ class _Progress:
     """What the meter has seen of one request so far."""
 
     arrival_time: float
+    max_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     last_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     ended: bool = False
 
+    def times(self, finish_reason: str, end: float) -> RequestTimes:
+        return RequestTimes(
+            finish_reason=finish_reason,
+            arrival=self.arrival_time,
+            end=end,
+            first_scheduled=self.first_scheduled_time,
+            first_token=self.first_token_time,
+            last_token=self.last_time,
+            prompt_tokens=self.num_prompt_tokens,
+            generated_tokens=self.num_generated_tokens,
+            max_tokens=self.max_tokens,
+        )
+
 
 class MeteredEngine:
-    """An Engine that observes every request's outputs on their way to the API."""
+    """An Engine that observes every request's outputs on their way to the API.
+
+    The per-request token histograms take vLLM's buckets from the engine's context length, so
+    metering an engine sizes them (`Metrics.size_for`)."""
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        metrics.size_for(engine.info.max_model_len)
 
     # Everything but generate passes through.
     @property
@@ -181,7 +204,9 @@ class MeteredEngine:
         await self.engine.check(request)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        progress = _Progress(arrival_time=request.arrival_time or time.monotonic())
+        progress = _Progress(
+            arrival_time=request.arrival_time or time.monotonic(), max_tokens=request.sampling.max_tokens
+        )
         if request.adapter is not None:
             self.metrics.observe_adapter_request(request.adapter)
         stream = self.engine.generate(request)
@@ -193,19 +218,17 @@ class MeteredEngine:
             await stream.aclose()
             if not progress.ended:  # the consumer left first: the engine aborts it
                 progress.ended = True
-                self.metrics.observe_finished(
-                    "abort",
-                    time.monotonic() - progress.arrival_time,
-                    progress.num_prompt_tokens,
-                    progress.num_generated_tokens,
-                )
+                self.metrics.observe_finished(progress.times("abort", time.monotonic()))
 
     def _observe(self, progress: _Progress, out: RequestOutput) -> None:
         progress.num_prompt_tokens = out.num_prompt_tokens
         progress.num_generated_tokens = out.num_generated_tokens
+        if progress.first_scheduled_time is None:
+            progress.first_scheduled_time = out.first_scheduled_time
         metrics = self.metrics
         if out.token_ids:
             if progress.last_time is None:
+                progress.first_token_time = out.time
                 metrics.observe_first_token(out.num_prompt_tokens, out.time - progress.arrival_time)
                 metrics.observe_tokens(len(out.token_ids), None)
             else:
@@ -217,9 +240,4 @@ class MeteredEngine:
         if out.error is not None:
             metrics.observe_failed()
             return
-        metrics.observe_finished(
-            out.finish_reason or "abort",
-            (out.time or time.monotonic()) - progress.arrival_time,
-            out.num_prompt_tokens,
-            out.num_generated_tokens,
-        )
+        metrics.observe_finished(progress.times(out.finish_reason or "abort", out.time or time.monotonic()))

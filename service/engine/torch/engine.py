@@ -476,6 +476,7 @@ class TorchEngine:
         if not scheduled.chunks:
             self.stats_publisher.publish()
             return
+        self._mark_scheduled(scheduled)
         plan = self._plan(scheduled)
         result = self.runner.execute(plan)
         for request_id, failure in result.failed.items():  # before their blocks are published
@@ -488,6 +489,14 @@ class TorchEngine:
                 holding.enter_context(outbox.held())
             self._apply(plan, result)
         self.stats_publisher.publish(plan, time.perf_counter() - started)
+
+    def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
+        """The requests this step computes: a request's first such step ends its queue time."""
+        now = time.monotonic()
+        for chunk in scheduled.chunks:
+            live = self._live.get(chunk.request.request_id)
+            if live is not None:
+                live.scheduled(now)
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
         return self.planner.plan(scheduled)

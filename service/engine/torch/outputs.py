@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
@@ -26,13 +26,20 @@ Sink = Callable[[RequestOutput], None]
 @dataclass
 class LiveRequest:
     """Engine-thread state of one request beside its scheduler state: where its outputs go, its
-    detokenizer and stop conditions, and its prompt logprobs until they are sent (first output)."""
+    detokenizer and stop conditions, its prompt logprobs until they are sent (first output), and
+    when the engine first scheduled it (every output carries it; None until then)."""
 
     request: Request
     sink: Sink
     output: OutputProcessor
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    first_scheduled_time: float | None = None
+
+    def scheduled(self, now: float) -> None:
+        """A step computes this request; the first such step ends its time in the queue."""
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
 
     def send(
         self,
@@ -46,7 +53,7 @@ class LiveRequest:
         request = self.request
         prompt_logprobs = self._take_prompt_logprobs()
         if finish_reason is not None:
-            self.sink(
+            self._sink_last(
                 RequestOutput.last(
                     request.request_id,
                     request.num_prompt_tokens,
@@ -72,13 +79,14 @@ class LiveRequest:
                 prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
                 time=now,
+                first_scheduled_time=self.first_scheduled_time,
             )
         )
 
     def end(self, error: str | None = None, cause: ErrorCause = "engine", now: float | None = None) -> None:
         """The last output without a new token: failed with `error`, else aborted."""
         request = self.request
-        self.sink(
+        self._sink_last(
             RequestOutput.last(
                 request.request_id,
                 request.num_prompt_tokens,
@@ -91,6 +99,9 @@ class LiveRequest:
                 time=time.monotonic() if now is None else now,
             )
         )
+
+    def _sink_last(self, out: RequestOutput) -> None:
+        self.sink(replace(out, first_scheduled_time=self.first_scheduled_time))
 
     def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         if self.prompt_logprobs is None or self.prompt_logprobs_sent:
