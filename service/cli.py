@@ -1,5 +1,6 @@
 """Command line, with NIM's command names: `serve` (the default), `list-model-profiles`,
-`download-to-cache`, `create-model-store`, plus `detect` and `health`.
+`download-to-cache`, `create-model-store`, plus `detect` and `health`. NIM's short flags work too:
+`download-to-cache -p ID...`, `create-model-store -p ID -m DIR`.
 
 Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
 `nim-torch` console script both land here.
@@ -34,13 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     download = commands.add_parser("download-to-cache", help="download profiles into NIM_CACHE_PATH")
     _add_model_flags(download)
     download.add_argument(
-        "--profiles", nargs="+", metavar="ID", help="profile ids or names (default: the selected one)"
+        "--profiles", "-p", nargs="+", metavar="ID", help="profile ids or names (default: the selected one)"
     )
     download.add_argument("--all", action="store_true", help="every profile of the model")
     store = commands.add_parser("create-model-store", help="write a self-contained model directory")
     _add_model_flags(store)
-    store.add_argument("--profile", required=True, help="profile id or name")
-    store.add_argument("--model-store", required=True, type=Path, help="directory to create")
+    store.add_argument("--profile", "-p", required=True, help="profile id or name")
+    store.add_argument("--model-store", "-m", required=True, type=Path, help="directory to create")
     commands.add_parser("detect", help="print the detected system as JSON")
     health = commands.add_parser("health", help="exit 0 if the server on this host is ready, else 1")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")

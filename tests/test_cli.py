@@ -147,3 +147,20 @@ def test_create_model_store_serves_offline(tmp_path: Path) -> None:
         assert meta["selectedProfile"]["id"] == profile.id
     finally:
         assert server.stop() == 0
+
+
+def test_nims_short_flags_parse_as_the_long_ones() -> None:
+    from service.cli import build_parser
+
+    parser = build_parser()
+    download = parser.parse_args(["download-to-cache", "-p", "a", "b"])
+    assert download.profiles == ["a", "b"]
+    store = parser.parse_args(["create-model-store", "-p", "x", "-m", "/tmp/store"])
+    assert (store.profile, store.model_store) == ("x", Path("/tmp/store"))
+
+
+def test_download_to_cache_takes_nims_short_profile_flag(tmp_path: Path) -> None:
+    profile = embedded_profile()
+    done = run_cli("download-to-cache", "-p", profile.id, env={"NIM_CACHE_PATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert f"{profile.id} ({profile.name})" in done.stdout and ".gguf" in done.stdout
