@@ -282,10 +282,18 @@ class LlamaDecoderLayer(nn.Module):
         return mlp_out, residual
 
 
+def _embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding; built on 'meta' (the loader's case, weights come next) without its random
+    init, whose `normal_` on meta imports torch._dynamo: 3 s of every start, for nothing."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
