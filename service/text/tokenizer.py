@@ -49,11 +49,18 @@ class InvalidTextError(ValueError):
 def _read_gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
     import gguf  # only GGUF models need it
 
+    from service.store.checkpoint import gguf_reader, gguf_strings
+
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # bad magic, truncated file, ...: whatever the reader trips on
+        reader = gguf_reader(path)
+        strings = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+        return {
+            key: gguf_strings(reader, key) if field.types[:2] == strings else field.contents()
+            for key, field in reader.fields.items()
+            if key.startswith("tokenizer.")
+        }
+    except Exception as exc:  # bad magic, truncated file, bad UTF-8...: whatever the reader trips on
         raise ValueError(f"{path}: not a readable GGUF file ({one_line(exc)})") from exc
-    return {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.")}
 
 
 def _token_content(value: Any) -> str | None:
