@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.config import (
@@ -271,9 +279,11 @@ class Settings(BaseSettings):
     chat_template: str | None = Field(
         None,
         validation_alias=_env("NIM_CHAT_TEMPLATE"),
-        description="The chat template conversations are rendered with instead of the model's: a file "
-        "path or inline Jinja, rendered in the same sandbox as the model's own.",
+        description="The chat template conversations are rendered with instead of the model's (its "
+        "tool_use template too): an existing file is read, otherwise a value holding `{{` or `{%` is "
+        "the template itself; rendered in the same sandbox as the model's own.",
     )
+    _chat_template_source: str | None = PrivateAttr(None)
     trust_request_chat_template: bool = Field(
         False,
         validation_alias=_env("NIM_TRUST_REQUEST_CHAT_TEMPLATE"),
@@ -423,6 +433,17 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _read_chat_template(self) -> Settings:
+        if self.chat_template is not None:
+            self._chat_template_source = chat_template_source(self.chat_template)
+        return self
+
+    @property
+    def chat_template_source(self) -> str | None:
+        """NIM_CHAT_TEMPLATE's Jinja source (a file's text, read once at start), or None."""
+        return self._chat_template_source
+
     @property
     def lora(self) -> LoraConfig | None:
         """The LoRA settings with their defaults filled in; None without NIM_PEFT_SOURCE."""
@@ -498,6 +519,37 @@ class Settings(BaseSettings):
     @property
     def python_log_level(self) -> str:
         return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
+
+
+def chat_template_source(value: str) -> str:
+    """NIM_CHAT_TEMPLATE's template: an existing file's text, else the value itself when it is Jinja
+    (holds `{{` or `{%`); checked to compile. ValueError, one line, otherwise."""
+    from service.text.chat_template import ChatTemplate
+
+    shown = repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
+    try:
+        path = Path(value).expanduser()
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a long inline template is no file name
+        is_file = False
+    if is_file:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"NIM_CHAT_TEMPLATE: cannot read {path} ({' '.join(str(exc).split())})"
+            ) from None
+        if not source.strip():
+            raise ValueError(f"NIM_CHAT_TEMPLATE: {path} is empty")
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"NIM_CHAT_TEMPLATE: {shown} is neither a file nor a Jinja template")
+    error = ChatTemplate(source).error
+    if error is not None:
+        where = str(path) if is_file else "the inline template"
+        raise ValueError(f"NIM_CHAT_TEMPLATE: {where}: {error}")
+    return source
 
 
 class ConfigError(ValueError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from importlib import resources
 
 from service.api.app import BringUp, FatalHandler
 from service.api.state import ModelInfo, Ready
@@ -26,6 +27,7 @@ from service.selection.planning import Plan, make_plan, model_source
 from service.store.model_store import ModelSource
 from service.telemetry.metering import MeteredEngine
 from service.telemetry.metrics import Metrics
+from service.text.tokenizer import Tokenizer
 from service.util import on_new_thread, one_line
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,28 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
     )
 
 
+# The embedded SmolLM2's own template renders no tools; this one (Hermes format) does.
+EMBEDDED_TOOL_TEMPLATE = "smollm2_tool_use.jinja"
+
+
+def embedded_tool_template() -> str:
+    """The tool-rendering template shipped for the embedded model (package data of service.text)."""
+    return resources.files("service.text").joinpath("templates", EMBEDDED_TOOL_TEMPLATE).read_text("utf-8")
+
+
+def use_chat_templates(settings: Settings, tokenizer: Tokenizer, embedded: bool) -> None:
+    """The chat templates conversations are rendered with: NIM_CHAT_TEMPLATE's, when set, instead of
+    all the model's own (its tool_use template too); for the embedded model otherwise its own plus
+    the shipped tool_use template, so that requests with tools work out of the box."""
+    source = settings.chat_template_source
+    if source is not None:
+        tokenizer.replace_templates({"default": source})
+        log.info("NIM_CHAT_TEMPLATE: conversations are rendered with the configured template "
+                 "(%d characters), not the model's", len(source))  # fmt: skip
+    elif embedded:
+        tokenizer.replace_templates({**tokenizer.templates, "tool_use": embedded_tool_template()})
+
+
 def config_for(settings: Settings) -> EngineConfig:
     """Plan, fetch and configure in one blocking call (for tools, benchmarks and tests)."""
     plan = make_plan(settings)
@@ -108,6 +132,7 @@ def bring_up_model(settings: Settings) -> BringUp:
         # Loading runs parallel CPU ops (weight prepacking); a thread that ends with it leaves no
         # OpenMP pool behind to compete with the engine's own thread.
         loaded = await on_new_thread(load_engine, config, died, name="engine-load")
+        use_chat_templates(settings, loaded.tokenizer, embedded=plan.profile.source.repo == "embedded")
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()
         info = ModelInfo(
