@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -32,21 +33,24 @@ from service.api.generation import (
     usage,
 )
 from service.api.guided import guided_decoding
-from service.api.logprobs import chat_logprobs, completion_logprobs
+from service.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, with_top
 from service.api.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    FinishReason,
     ModelCard,
     ModelList,
     ResponseMessage,
@@ -55,9 +59,11 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.state import Ready, ServiceState
-from service.api.tools import ToolSpec, ToolStream, tool_spec
+from service.api.tools import ToolCall, ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.telemetry.tracing import annotate
+from service.text.chat_template import ChatTemplate
+from service.text.reasoning import ReasoningSplitter, ReasoningTurn
 from service.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -107,17 +113,21 @@ async def _check(ready: Ready, requests: list[GenerationRequest]) -> None:
 
 
 def _chat_prompt(
-    tokenizer: Tokenizer, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
-) -> list[int]:
-    """The conversation's prompt tokens: rendered by the chat template, then tokenized. Slow for
-    long conversations (seconds for megabytes): run it off the event loop."""
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    variables: dict[str, Any],
+) -> tuple[str, list[int]]:
+    """The conversation's prompt, as text and tokens: rendered by the chat template (with the
+    request's template `variables`), then tokenized. Slow for long conversations (seconds for
+    megabytes): run it off the event loop."""
     rendered = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        extra = {"tools": tools} if tools is not None else {}
+        extra = {**variables, "tools": tools} if tools is not None else dict(variables)
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
@@ -219,12 +229,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         guided = tools.guided()
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    _check_prompt_logprobs(body, ready)
 
     max_model_len = ready.info.max_model_len
     num_chars = sum(len(m.text()) for m in body.messages)  # the prompt holds at least these
     check_prompt_chars(num_chars, ready.tokenizer.max_token_chars, max_model_len, "messages", limits)
     tools_shown = body.tools if tools is not None else None
-    prompt = await asyncio.to_thread(_chat_prompt, ready.tokenizer, body.messages, tools_shown)
+    template = ready.tokenizer.chat_template_for(tools=tools_shown is not None)
+    variables = _template_variables(body, template, ready.tokenizer)
+    text, prompt = await asyncio.to_thread(
+        _chat_prompt, ready.tokenizer, body.messages, tools_shown, variables
+    )
+    turn = ready.reasoning.for_prompt(text) if ready.reasoning is not None else None
+    if guided is not None and turn is not None:  # the constraint starts where the thinking ends
+        guided = replace(guided, start_after=turn.start_after)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
     state = _state(request)
@@ -232,7 +250,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     request_id = new_id("chatcmpl")
     _trace_request("chat", body, request_id, budget)
-    logprobs = LogprobRequest(sampled=(body.top_logprobs or 0) if body.logprobs else None)
+    logprobs = LogprobRequest(
+        sampled=(body.top_logprobs or 0) if body.logprobs else None, prompt=body.prompt_logprobs
+    )
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     stop = tools.stop if tools is not None else ()
@@ -241,19 +261,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
     await _unless_disconnected(request, _check(ready, engine_requests))
     state.admit()
+    answer = _Answer(tools, turn, ready.reasoning is not None)
     if body.stream:
-        return _sse(
-            _chat_stream(
-                ready,
-                body,
-                request_id,
-                engine_requests,
-                len(prompt),
-                state.limits.always_include_usage,
-                tools,
-            ),
-            state,
-        )
+        always_usage = state.limits.always_include_usage
+        return _sse(_chat_stream(ready, body, request_id, engine_requests, len(prompt), always_usage, answer),
+                    state)  # fmt: skip
     try:
         timeout_s = state.limits.request_timeout_seconds
         results = await _unless_disconnected(request, collect(ready.engine, engine_requests, timeout_s))
@@ -261,18 +273,122 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.release()
     choices = []
     for i, r in enumerate(results):
-        message, finish = ResponseMessage(content=r.text), r.finish_reason
-        if tools is not None:
-            content, calls = tools.parse(r.text)
-            if calls:
-                message = ResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls])
-                finish = "tool_calls"
+        message, finish = answer.message(r.text, r.finish_reason)
         chosen = chat_logprobs(ready.tokenizer, r.logprobs) if body.logprobs else None
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=chosen))
     completion_tokens = sum(r.num_generated_tokens for r in results)
     totals = usage([len(prompt)], completion_tokens, results[0].num_cached_tokens)
+    answer.count_reasoning(totals, [r.token_ids for r in results])
     _trace_result(totals, [r.finish_reason for r in results])
-    return ChatCompletionResponse(id=request_id, model=body.model, choices=choices, usage=totals)
+    prompt_entries = None
+    if body.prompt_logprobs is not None:
+        prompt_entries = prompt_logprobs(
+            ready.tokenizer, prompt, results[0].prompt_logprobs, body.prompt_logprobs
+        )
+    return ChatCompletionResponse(
+        id=request_id, model=body.model, choices=choices, usage=totals, prompt_logprobs=prompt_entries
+    )
+
+
+def _check_prompt_logprobs(body: ChatCompletionRequest | CompletionRequest, ready: Ready) -> None:
+    """400 for prompt_logprobs the server cannot give (vLLM refuses them when streaming too)."""
+    if body.prompt_logprobs is None:
+        return
+    if body.stream:
+        raise invalid_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    if not ready.info.engine.features.prompt_logprobs:
+        raise invalid_request("prompt_logprobs are not supported by this server's engine", "prompt_logprobs")
+
+
+# Template variables the server sets itself: not to be replaced through chat_template_kwargs.
+_RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
+def _template_variables(
+    body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    """The request's extra chat template variables (chat_template_kwargs, reasoning_effort), each
+    one the template reads; a 400 naming the field for any other."""
+    variables: dict[str, Any] = {}
+    reserved = _RESERVED_VARIABLES | tokenizer.template_tokens.keys()
+    for key, value in (body.chat_template_kwargs or {}).items():
+        param = f"chat_template_kwargs.{key}"
+        if key in reserved:
+            raise invalid_request(f"{key} is set by the server and cannot be passed in chat_template_kwargs",
+                                  param)  # fmt: skip
+        if key == "reasoning_effort" and body.reasoning_effort is not None:
+            raise invalid_request("reasoning_effort is given twice (also as the request field)", param)
+        if template is None or not template.reads(key):
+            raise invalid_request(
+                f"this model's chat template does not read {key}, so passing it would have no effect", param
+            )
+        variables[key] = value
+    if body.reasoning_effort is not None:
+        if template is None or not template.reads("reasoning_effort"):
+            raise invalid_request(
+                "this model's chat template does not read reasoning_effort, so it would have no effect",
+                "reasoning_effort",
+            )
+        variables["reasoning_effort"] = body.reasoning_effort
+    return variables
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """How a chat answer's text becomes a message: its thinking split off (a reasoning model: `turn`,
+    None when the prompt closed the thinking), then tool calls read from what is left (the answer,
+    never the thinking)."""
+
+    tools: ToolSpec | None
+    turn: ReasoningTurn | None
+    reasoning: bool  # the model has a reasoning parser: usage counts reasoning_tokens
+
+    def message(self, text: str, finish: FinishReason | None) -> tuple[ResponseMessage, FinishReason | None]:
+        reasoning, content = self.turn.split(text) if self.turn is not None else (None, text)
+        if self.tools is not None and content:
+            parsed, calls = self.tools.parse(content)
+            if calls:
+                calls_out = [c.to_openai() for c in calls]
+                return ResponseMessage(
+                    content=parsed, reasoning_content=reasoning, tool_calls=calls_out
+                ), "tool_calls"
+        return ResponseMessage(content=content, reasoning_content=reasoning), finish
+
+    def count_reasoning(self, totals: Usage, token_ids: list[list[int]]) -> None:
+        """usage.completion_tokens_details.reasoning_tokens, for a model with a reasoning parser."""
+        if self.reasoning:
+            counted = sum(self.turn.count_tokens(ids) for ids in token_ids) if self.turn is not None else 0
+            totals.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=counted)
+
+
+@dataclass
+class _ChoiceStream:
+    """One streamed choice: its thinking split off as it arrives, tool calls held back."""
+
+    answer: _Answer
+    splitter: ReasoningSplitter | None
+    tools: ToolStream | None
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, answer: _Answer) -> _ChoiceStream:
+        splitter = answer.turn.splitter() if answer.turn is not None else None
+        return cls(answer, splitter, ToolStream(answer.tools) if answer.tools is not None else None)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) to send now for the next piece of text."""
+        reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
+        return reasoning, content if self.tools is None else self.tools.feed(content)
+
+    def finish(self) -> tuple[str, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) still to send at the end."""
+        reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
+        if self.tools is None:
+            return reasoning, content or None, []
+        shown = self.tools.feed(content)
+        rest, calls = self.tools.finish()
+        return reasoning, (shown + (rest or "")) or None, calls
 
 
 async def _chat_stream(
@@ -282,54 +398,79 @@ async def _chat_stream(
     requests: list[GenerationRequest],
     num_prompt: int,
     always_usage: bool,
-    tools: ToolSpec | None = None,
+    answer: _Answer,
 ) -> AsyncIterator[str]:
-    """Chunks as the engine's deltas arrive. With tools, text that is (or may become) a tool call is
-    held back and sent, once finished, as tool_calls (or as content, when it does not parse)."""
+    """Chunks as the engine's deltas arrive: thinking as `reasoning_content` (a reasoning model),
+    the answer as `content`. With tools, answer text that is (or may become) a tool call is held
+    back and sent, once finished, as tool_calls (or as content, when it does not parse)."""
     created = int(time.time())
     include_usage = body.include_usage or always_usage
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    choices = [_ChoiceStream.of(answer) for _ in requests]
 
-    def chunk(choices: list[ChatChunkChoice], usage_=None) -> str:
-        payload = ChatCompletionChunk(
-            id=request_id, created=created, model=body.model, choices=choices, usage=usage_
-        )
-        return _sse_data(payload, include_usage=include_usage)
+    def chunk(index: int, delta: DeltaMessage, finish: FinishReason | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:  # fmt: skip
+        so_far = _running_usage(num_prompt, choices[index].completion_tokens) if continuous else None
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+        payload = ChatCompletionChunk(id=request_id, created=created, model=body.model, choices=[choice],
+                                      usage=so_far)  # fmt: skip
+        return _sse_data(payload, include_usage=include_usage or continuous)
 
     for i in range(len(requests)):
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    completion_tokens = [0] * len(requests)
+        yield chunk(i, DeltaMessage(role="assistant", content=""))
     finish_reasons: list[str | None] = [None] * len(requests)
     cached = 0
-    streams = [ToolStream(tools) if tools is not None else None for _ in requests]
     async for index, out in merged(ready.engine, requests):
         if ended_badly(out):
             yield _sse_error(engine_error(out))
             return
-        completion_tokens[index] = out.num_generated_tokens
+        choice = choices[index]
+        choice.completion_tokens = out.num_generated_tokens
+        choice.token_ids.extend(out.token_ids)
         cached = out.num_cached_tokens if index == 0 else cached
         logprobs = chat_logprobs(ready.tokenizer, out.logprobs) if body.logprobs and out.logprobs else None
-        stream = streams[index]
-        text = out.text if stream is None else stream.feed(out.text)
-        if text or logprobs:
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text), logprobs=logprobs)])
+        reasoning, content = choice.feed(out.text)
+        if reasoning or content or logprobs:
+            yield chunk(index, _delta(content, reasoning, answer), logprobs=logprobs)
         if out.finished:
             finish = client_finish_reason(out)
-            if stream is not None:
-                content, calls = stream.finish()
-                if calls:
-                    deltas = [c.to_openai(index=j) for j, c in enumerate(calls)]
-                    delta = DeltaMessage(content=content, tool_calls=deltas)
-                    yield chunk([ChatChunkChoice(index=index, delta=delta)])
-                    finish = "tool_calls"
-                elif content:
-                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=content))])
+            reasoning, rest, calls = choice.finish()
+            if calls:
+                deltas = [c.to_openai(index=j) for j, c in enumerate(calls)]
+                yield chunk(
+                    index, DeltaMessage(content=rest, reasoning_content=reasoning or None, tool_calls=deltas)
+                )
+                finish = "tool_calls"
+            elif reasoning or rest:
+                yield chunk(index, DeltaMessage(content=rest, reasoning_content=reasoning or None))
             finish_reasons[index] = finish
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish)])
-    totals = usage([num_prompt], sum(completion_tokens), cached)
+            yield chunk(index, DeltaMessage(), finish)
+    totals = usage([num_prompt], sum(c.completion_tokens for c in choices), cached)
+    answer.count_reasoning(totals, [c.token_ids for c in choices])
     _trace_result(totals, finish_reasons)
     if include_usage:
-        yield chunk([], totals)
+        payload = ChatCompletionChunk(
+            id=request_id, created=created, model=body.model, choices=[], usage=totals
+        )
+        yield _sse_data(payload, include_usage=True)
     yield "data: [DONE]\n\n"
+
+
+def _delta(content: str, reasoning: str, answer: _Answer) -> DeltaMessage:
+    """A streamed piece: without a reasoning parser, content as it came (possibly empty beside
+    logprobs), as before; with one, each part only when it has text."""
+    if answer.turn is None and not answer.reasoning:
+        return DeltaMessage(content=content)
+    return DeltaMessage(content=content or None, reasoning_content=reasoning or None)
+
+
+def _running_usage(num_prompt: int, completion_tokens: int) -> Usage:
+    """vLLM's continuous_usage_stats: each chunk's choice's tokens so far."""
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=num_prompt + completion_tokens,
+    )
 
 
 # --- Completions ---------------------------------------------------------------------------------
@@ -362,9 +503,10 @@ async def completions(body: CompletionRequest, request: Request):
 
     request_id = new_id("cmpl")
     _trace_request("text_completion", body, request_id, budgets[0])
-    logprobs = LogprobRequest(
-        sampled=body.logprobs, prompt=body.logprobs if body.echo and body.logprobs is not None else None
-    )
+    _check_prompt_logprobs(body, ready)
+    echoed = body.logprobs if body.echo and body.logprobs is not None else None
+    asked = [n for n in (echoed, body.prompt_logprobs) if n is not None]
+    logprobs = LogprobRequest(sampled=body.logprobs, prompt=max(asked) if asked else None)
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     guided = guided_decoding(body)
@@ -391,14 +533,19 @@ async def completions(body: CompletionRequest, request: Request):
             ids = list(r.token_ids)
             entries: list[TokenLogprob | None] = list(r.logprobs)
             if body.echo:
-                ids, entries = [*prompt, *ids], [*(r.prompt_logprobs or [None] * len(prompt)), *entries]
+                echoed_entries = with_top(r.prompt_logprobs or [None] * len(prompt), body.logprobs)
+                ids, entries = [*prompt, *ids], [*echoed_entries, *entries]
             choice_logprobs = completion_logprobs(ready.tokenizer, ids, entries)
+        prompt_entries = None
+        if body.prompt_logprobs is not None:
+            prompt_entries = prompt_logprobs(ready.tokenizer, prompt, r.prompt_logprobs, body.prompt_logprobs)
         choices.append(
             CompletionChoice(
                 index=i,
                 text=echoes[i // body.n] + r.text,
                 finish_reason=r.finish_reason,
                 logprobs=choice_logprobs,
+                prompt_logprobs=prompt_entries,
             )
         )
     completion_tokens = sum(r.num_generated_tokens for r in results)
@@ -436,12 +583,16 @@ async def _completion_stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = body.include_usage or always_usage
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
-    def chunk(choices: list[CompletionChoice], usage_=None) -> str:
+    def chunk(choice: CompletionChoice) -> str:
+        so_far = None
+        if continuous:  # vLLM's continuous_usage_stats: this choice's tokens so far
+            so_far = _running_usage(len(prompts[choice.index // body.n]), completion_tokens[choice.index])
         payload = CompletionResponse(
-            id=request_id, created=created, model=body.model, choices=choices, usage=usage_
+            id=request_id, created=created, model=body.model, choices=[choice], usage=so_far
         )
-        return _sse_data(payload, include_usage=include_usage)
+        return _sse_data(payload, include_usage=include_usage or continuous)
 
     completion_tokens = [0] * len(requests)
     cached = [0] * len(requests)
@@ -458,24 +609,24 @@ async def _completion_stream(
         if not echoed[index]:  # the prompt goes out with the choice's first chunk
             prompt = prompts[index // body.n]
             text = echoes[index // body.n] + text
-            ids, entries = [*prompt, *ids], [*(out.prompt_logprobs or [None] * len(prompt)), *entries]
+            if body.logprobs is not None:
+                echoed_entries = with_top(out.prompt_logprobs or [None] * len(prompt), body.logprobs)
+                ids, entries = [*prompt, *ids], [*echoed_entries, *entries]
             echoed[index] = True
         logprobs = completion_logprobs(ready.tokenizer, ids, entries) if body.logprobs is not None else None
         if out.finished:
             finish_reasons[index] = out.finish_reason
         if text or out.finished or logprobs:
-            yield chunk(
-                [
-                    CompletionChoice(
-                        index=index, text=text, finish_reason=client_finish_reason(out), logprobs=logprobs
-                    )
-                ]
-            )
+            finish = client_finish_reason(out)
+            yield chunk(CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs))
     cached_total = sum(c for i, c in enumerate(cached) if i % body.n == 0)
     totals = usage([len(p) for p in prompts], sum(completion_tokens), cached_total)
     _trace_result(totals, finish_reasons)
     if include_usage:
-        yield chunk([], totals)
+        payload = CompletionResponse(
+            id=request_id, created=created, model=body.model, choices=[], usage=totals
+        )
+        yield _sse_data(payload, include_usage=True)
     yield "data: [DONE]\n\n"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,7 +14,10 @@ from service.config import Settings
 from service.engine.protocol import AdapterCatalog, Engine, EngineDeadError, EngineInfo
 from service.telemetry.metering import EngineStatsCollector
 from service.telemetry.metrics import Metrics
+from service.text.reasoning import ReasoningConfigError, ReasoningParser, resolve
 from service.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class Ready:
     tokenizer: Tokenizer
     info: ModelInfo
     adapters: AdapterCatalog | None = None  # the LoRA adapters served beside the base model
+    # The reasoning format answers are split by (NIM_REASONING_PARSER, or recognised from the chat
+    # template); decided once by ServiceState.resolve_reasoning
+    reasoning: ReasoningParser | None = field(default=None, init=False)
+    reasoning_resolved: bool = field(default=False, init=False)
 
 
 @dataclass
@@ -150,8 +158,29 @@ class ServiceState:
 
     def require_ready(self) -> Ready:
         if self.phase == "ready" and self.model is not None and self.model.engine.ready:
-            return self.model
+            if self.model.reasoning_resolved:
+                return self.model
+            try:
+                self.resolve_reasoning(self.model)
+            except ReasoningConfigError as exc:  # the model cannot serve as configured
+                self.phase, self.failure = "failed", str(exc)
+                log.error("%s", exc)
+            else:
+                return self.model
         raise self.not_ready_error()
+
+    def resolve_reasoning(self, ready: Ready) -> None:
+        """Decide, once, how `ready`'s answers are split into reasoning and content, and log it.
+        Raises ReasoningConfigError (one line) when NIM_REASONING_PARSER cannot work with its
+        tokenizer; a start-up should call this before serving."""
+        if ready.reasoning_resolved:
+            return
+        ready.reasoning, why = resolve(self.limits.reasoning_parser, ready.tokenizer)
+        ready.reasoning_resolved = True
+        if ready.reasoning is not None:
+            log.info("reasoning parser %s (%s): answers carry reasoning_content", ready.reasoning.name, why)
+        else:
+            log.info("no reasoning parser (%s); NIM_REASONING_PARSER sets one", why)
 
     def engine_failure(self) -> str | None:
         if self.model is not None and self.model.engine.failure is not None:

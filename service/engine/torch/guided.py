@@ -50,7 +50,9 @@ recomputed tokens are not sampled again). Each step, before sampling, the constr
 tokens are written into one bitmask and applied in place (disallowed logits become -inf); after
 sampling each matcher accepts its row's token. The end-of-sequence tokens are allowed exactly when
 the grammar is complete, so a constrained answer ends with one (unless max_tokens cuts it short,
-which OpenAI reports as finish_reason "length").
+which OpenAI reports as finish_reason "length"). A constraint with `start_after` (a reasoning
+model's `</think>`) leaves its row unmasked, and its matcher untouched, until those tokens have been
+generated: the thinking is free, the answer after it is constrained (GuidedRow).
 """
 
 from __future__ import annotations
@@ -1016,7 +1018,7 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, guided: GuidedDecoding) -> GuidedRow:
-        return GuidedRow(self._xgr.GrammarMatcher(self.compile(guided)))
+        return GuidedRow(self._xgr.GrammarMatcher(self.compile(guided)), guided.start_after)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -1042,21 +1044,35 @@ def _settle(job: _Job, outcome: object) -> None:
 
 
 class GuidedRow:
-    """One request's position in its grammar."""
+    """One request's position in its grammar.
 
-    def __init__(self, matcher: Any) -> None:
+    With `start_after` (GuidedDecoding.start_after: a reasoning model's `</think>` ids) the grammar
+    waits: until those tokens have been generated, in a row, every token is allowed and the matcher
+    neither masks nor advances (the thinking is free text); from the token after them it constrains."""
+
+    def __init__(self, matcher: Any, start_after: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
+        self.start_after = start_after
+        self.waiting = bool(start_after)
+        self._recent: deque[int] = deque(maxlen=max(len(start_after), 1))  # the last tokens, while waiting
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.waiting:
+            bitmask[index].fill_(-1)  # every bit set: every token allowed
+            return
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar refuses it (the request must end)."""
+        if self.waiting:
+            self._recent.append(token_id)
+            self.waiting = tuple(self._recent) != self.start_after
+            return True
         return bool(self.matcher.accept_token(token_id))
 
     @property
     def finished(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        return not self.waiting and bool(self.matcher.is_terminated())
 
 
 _NAMES = {

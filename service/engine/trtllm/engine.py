@@ -197,6 +197,14 @@ class TrtllmEngine:
     # --- mapping ----------------------------------------------------------------------------------
 
     def _sampling(self, request: GenerationRequest) -> Any:
+        guided = request.sampling.guided
+        if guided is not None and guided.start_after:
+            raise RequestRefusedError(
+                "structured output (response_format, structured_outputs, guided_*, or a required or named "
+                "tool_choice) on a reasoning model is not served by the tensorrt_llm engine: its grammar "
+                "would constrain the thinking as well as the answer (NIM_REASONING_PARSER is in effect); "
+                "send no constraint, or serve with the torch engine"
+            )
         why = refusal(request.sampling, self.sampler)
         if why is not None:
             raise RequestRefusedError(why)
