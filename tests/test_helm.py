@@ -54,6 +54,14 @@ ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 PROM = "http://prometheus-operated.monitoring.svc:9090"
 
 Obj = dict[str, Any]
+NIM_LLM_VALUES = Path(__file__).parent / "data" / "helm"
+
+
+def nim_llm_values(name: str) -> Obj:
+    """A values file written for NVIDIA's nim-llm chart (tests/data/helm/nim-llm-<name>.yaml)."""
+    values: Obj = yaml.safe_load((NIM_LLM_VALUES / f"nim-llm-{name}.yaml").read_text())
+    return values
+
 
 SCENARIOS: dict[str, Obj] = {
     "defaults": {},
@@ -114,7 +122,7 @@ SCENARIOS: dict[str, Obj] = {
         "inferencePool": {"enabled": True, "endpointPicker": {"name": "demo-epp", "failureMode": "FailOpen"}},
     },
     "secrets": {
-        "model": {"hfTokenSecret": {"name": "hf-token"}, "servedName": "llama"},
+        "model": {"hfTokenSecret": {"name": "hf-token"}, "name": "llama"},
         "auth": {"apiKeySecret": {"name": "nim-api-keys"}},
     },
     "tls": {
@@ -135,11 +143,13 @@ SCENARIOS: dict[str, Obj] = {
         "model": {"ngcAPISecret": "ngc-api", "nimCache": "/model-store", "tensorParallelSize": 2},
         "workload": {"kind": "Deployment"},
     },
+    "nim-llm-minimal": nim_llm_values("minimal"),
+    "nim-llm-full": nim_llm_values("full"),
     "everything": {
         "model": {
-            "name": "meta-llama/Llama-3.1-8B-Instruct",
+            "path": "meta-llama/Llama-3.1-8B-Instruct",
             "profile": "tensorrt_llm-h100-fp8-tp2-pp1-throughput",
-            "servedName": "llama-3.1-8b",
+            "name": "llama-3.1-8b",
             "maxModelLen": 8192,
             "tensorParallelSize": 2,
             "kvCachePercent": 0.85,
@@ -331,7 +341,19 @@ def test_helm_sdk_is_real_helm() -> None:
     assert helm.helm_sdk_version().startswith("v"), helm.helm_sdk_version()
 
 
-@pytest.mark.parametrize("name", ["defaults", "deployment-cpu", "gateway", "keda", "mtls", "everything"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "defaults",
+        "deployment-cpu",
+        "gateway",
+        "keda",
+        "mtls",
+        "everything",
+        "nim-llm-minimal",
+        "nim-llm-full",
+    ],
+)
 def test_lint_is_clean(name: str) -> None:
     report = helm.lint(CHART_DIR, SCENARIOS[name], strict=True, kube_version=f"v{K8S_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
@@ -1181,7 +1203,7 @@ def test_helm_test_pods_call_models_completion_and_streaming_chat() -> None:
         assert container["image"] == rendered.server["image"], "tests use the service's own image"
         assert container["command"] == ["python3", "-c", script, check]
         assert env_value(container, "NIM_TEST_BASE_URL") == f"http://{FULLNAME}.{NAMESPACE}.svc:8000"
-        assert "NIM_TEST_MODEL" not in env_of(container), "no servedName: the script asks /v1/models"
+        assert "NIM_TEST_MODEL" not in env_of(container), "no model.name: the script asks /v1/models"
         assert "NIM_API_KEY" not in env_of(container)
         assert env_value(container, "NVIDIA_VISIBLE_DEVICES") == "void", "no GPUs in a client pod"
         assert "nvidia.com/gpu" not in json.dumps(container["resources"])
@@ -1404,7 +1426,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def render_tls(pki: Pki, mode: str, port: int) -> Rendered:
     """The chart with the TLS Secret "mounted" at the test certificates and the server on `port`."""
     tls = {"mode": mode, "secretName": "nim-tls", "mountPath": str(pki.directory)}
-    return render({"tls": tls, "model": {"openaiPort": port, "servedName": "stub-model"}})
+    return render({"tls": tls, "model": {"openaiPort": port, "name": "stub-model"}})
 
 
 def run_probe(rendered: Rendered, probe: str) -> subprocess.CompletedProcess[str]:
@@ -1441,3 +1463,186 @@ def test_mtls_readiness_probe_fails_while_not_ready(pki: Pki) -> None:
         assert run_probe(rendered, "livenessProbe").returncode == 0
         result = run_probe(rendered, "readinessProbe")
     assert result.returncode != 0 and "503" in result.stderr
+
+
+# ---------------------------------------------------------------- values written for NVIDIA's nim-llm chart
+
+
+def test_minimal_nim_llm_values_install_with_nvidias_meaning() -> None:
+    rendered = scenario("nim-llm-minimal")
+    workload, server = rendered.workload, rendered.server
+    assert workload["kind"] == "Deployment", "statefulSet.enabled: false"
+    assert workload["spec"]["replicas"] == 1
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "inference", "model.labels go on the pods"
+    assert workload["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "nim-torch",
+        "app.kubernetes.io/instance": RELEASE,
+    }
+    claim = rendered.one("PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"], "persistence.accessMode"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "80Gi"
+    assert volumes_by_name(rendered.pod_spec)["nim-cache"]["persistentVolumeClaim"] == {
+        "claimName": f"{FULLNAME}-cache"
+    }
+    assert server["image"] == "nvcr.io/nim/meta/llama-3.1-8b-instruct:1.3.3"
+    assert rendered.pod_spec["imagePullSecrets"] == [{"name": "ngc-secret"}]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # model.name is the API's name for the model, not the model to load
+    assert env_value(server, "NIM_SERVED_MODEL_NAME") == "meta/llama-3.1-8b-instruct"
+    assert "NIM_MODEL_NAME" not in env_of(server)
+    assert env_of(server)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "ngc-api"
+    for pod in rendered.test_pods:
+        assert env_value(pod["spec"]["containers"][0], "NIM_TEST_MODEL") == "meta/llama-3.1-8b-instruct"
+    assert "loads its embedded default model under that name" in rendered.notes
+
+
+def test_full_nim_llm_values_install_with_nvidias_meaning() -> None:
+    rendered = scenario("nim-llm-full")
+    workload, server, pod_spec = rendered.workload, rendered.server, rendered.pod_spec
+    spec = workload["spec"]
+    assert workload["kind"] == "StatefulSet" and spec["replicas"] == 2
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "120Gi"
+    assert claim["metadata"]["annotations"] == {"example.com/backup": "false"}
+    assert not rendered.of_kind("PersistentVolumeClaim"), "one claim per replica, none shared"
+    # the model to load from env (the multi-LLM NIM's way), the API name from model.name
+    assert env_value(server, "NIM_MODEL_NAME") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert env_value(server, "NIM_SERVED_MODEL_NAME") == "llama-3.1-8b"
+    assert env_value(server, "NIM_MAX_MODEL_LEN") == "16384"
+    assert env_value(server, "NIM_SERVER_PORT") == "8080"
+    assert env_value(server, "NIM_CACHE_PATH") == "/model-store"
+    assert env_value(server, "NIM_LOG_LEVEL") == "DEBUG" and env_value(server, "NIM_JSONL_LOGGING") == "0"
+    assert server["ports"] == [{"name": "http-openai", "containerPort": 8080, "protocol": "TCP"}]
+    assert server["image"] == "nvcr.io/nim/nvidia/llm-nim:1.14.0" and server["imagePullPolicy"] == "Always"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert server["securityContext"]["readOnlyRootFilesystem"] is False, "containerSecurityContext"
+    liveness, readiness, startup = (server[p] for p in ("livenessProbe", "readinessProbe", "startupProbe"))
+    assert liveness["httpGet"]["path"] == "/v1/health/live" and liveness["failureThreshold"] == 4
+    assert (readiness["initialDelaySeconds"], readiness["periodSeconds"]) == (25, 12)
+    assert startup["failureThreshold"] == 360
+    # nim-llm's map forms of extraVolumes, extraVolumeMounts and initContainers.extraInit
+    assert volumes_by_name(pod_spec)["loras"] == {
+        "name": "loras",
+        "persistentVolumeClaim": {"claimName": "lora-adapters"},
+    }
+    assert mounts_by_path(server)["/loras"] == {"name": "loras", "mountPath": "/loras", "readOnly": True}
+    assert [c["name"] for c in pod_spec["initContainers"]] == ["warm-cache"]
+    assert pod_spec["serviceAccountName"] == "nim-sa"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert workload["spec"]["template"]["metadata"]["labels"]["team"] == "inference"
+    # service.name names the Service, and everything that reaches it
+    names = sorted(s["metadata"]["name"] for s in rendered.of_kind("Service"))
+    assert names == [f"{FULLNAME}-headless", "llama-svc"]
+    ingress = rendered.one("Ingress")
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "llama-svc", "port": {"name": "http-openai"}}
+    for pod in rendered.test_pods:
+        url = env_value(pod["spec"]["containers"][0], "NIM_TEST_BASE_URL")
+        assert url == f"http://llama-svc.{NAMESPACE}.svc:8000"
+    assert "port-forward svc/llama-svc 8000:8000" in rendered.notes
+    monitor = rendered.one("ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert "embedded default model" not in rendered.notes
+
+
+def test_nim_llm_read_write_many_statefulset_shares_one_claim() -> None:
+    rendered = render(
+        {"statefulSet": {"enabled": True}, "replicaCount": 3, "persistence": {"accessMode": "ReadWriteMany"}}
+    )
+    assert rendered.workload["kind"] == "StatefulSet"
+    assert "volumeClaimTemplates" not in rendered.workload["spec"]
+    claim = rendered.one("PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == f"{FULLNAME}-cache" and claim["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+    assert volumes_by_name(rendered.pod_spec)["nim-cache"]["persistentVolumeClaim"] == {
+        "claimName": f"{FULLNAME}-cache"
+    }
+    # this chart's own accessModes keep a claim per replica
+    ours = render({"persistence": {"accessModes": ["ReadWriteMany"]}})
+    assert ours.workload["spec"]["volumeClaimTemplates"] and not ours.of_kind("PersistentVolumeClaim")
+
+
+def test_nim_llm_host_path_and_nfs_caches() -> None:
+    host = render({"persistence": {"enabled": False}, "hostPath": {"enabled": True, "path": "/raid/nim"}})
+    assert volumes_by_name(host.pod_spec)["nim-cache"] == {
+        "name": "nim-cache",
+        "hostPath": {"path": "/raid/nim", "type": "DirectoryOrCreate"},
+    }
+    nfs = {"enabled": True, "server": "10.0.0.5", "path": "/exports/nim", "readOnly": True}
+    shared = render({"persistence": {"enabled": False}, "nfs": nfs})
+    assert volumes_by_name(shared.pod_spec)["nim-cache"] == {
+        "name": "nim-cache",
+        "nfs": {"server": "10.0.0.5", "path": "/exports/nim", "readOnly": True},
+    }
+    for rendered in (host, shared):
+        kubernetes_validate.validate(rendered.workload, K8S_VERSION, strict=True)
+    # as in nim-llm, a claim wins over hostPath
+    both = render({"hostPath": {"enabled": True}})
+    assert "hostPath" not in volumes_by_name(both.pod_spec).get("nim-cache", {})
+
+
+def test_model_path_loads_and_served_name_is_a_deprecated_alias() -> None:
+    loaded = render({"model": {"path": "Qwen/Qwen3-0.6B"}}).server
+    assert env_value(loaded, "NIM_MODEL_NAME") == "Qwen/Qwen3-0.6B"
+    assert "NIM_SERVED_MODEL_NAME" not in env_of(loaded)
+    old = render({"model": {"servedName": "qwen"}})
+    assert env_value(old.server, "NIM_SERVED_MODEL_NAME") == "qwen"
+    assert "Deprecated: model.servedName" in old.notes
+    assert "Deprecated" not in render({"model": {"name": "qwen"}}).notes
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param(
+            {"model": {"legacyCompat": True}}, ["model.legacyCompat", "pre-1.0"], id="legacy-compat"
+        ),
+        pytest.param(
+            {"model": {"ngcAPIKey": "nvapi-x"}}, ["model.ngcAPIKey", "Secret"], id="ngc-api-key-literal"
+        ),
+        pytest.param(
+            {"multiNode": {"enabled": True}}, ["multiNode.enabled", "not supported"], id="multi-node"
+        ),
+        pytest.param(
+            {"initContainers": {"ngcInit": {"imageName": "ngc-cli"}}},
+            ["initContainers.ngcInit", "download-to-cache"],
+            id="ngc-init",
+        ),
+        pytest.param(
+            {"env": [{"name": "NIM_MODEL_PATH", "value": "hf://meta-llama/Llama-3.1-8B-Instruct"}]},
+            ["env NIM_MODEL_PATH", "model.path"],
+            id="nim-2-model-path",
+        ),
+        pytest.param(
+            {"model": {"name": "a", "servedName": "b"}},
+            ["model.name (a) and model.servedName (b"],
+            id="names-disagree",
+        ),
+        pytest.param(
+            {"persistence": {"enabled": False}, "nfs": {"enabled": True}},
+            ["nfs.enabled needs nfs.server and nfs.path"],
+            id="nfs-without-export",
+        ),
+        pytest.param({"livenessProbe": {"method": "script"}}, ["livenessProbe", "method"], id="probe-script"),
+        pytest.param(
+            {
+                "ingress": {
+                    "enabled": True,
+                    "hosts": [{"paths": [{"path": "/", "pathType": "Prefix", "serviceType": "nemo"}]}],
+                }
+            },
+            ["serviceType"],
+            id="ingress-nemo-port",
+        ),
+        pytest.param({"model": {"nemo_port": 8006}}, ["nemo_port"], id="legacy-nemo-port"),
+    ],
+)
+def test_nim_llm_keys_this_chart_cannot_honour_are_refused(values: Obj, expected: list[str]) -> None:
+    message = render_error(values)
+    for fragment in expected:
+        assert fragment in message, message

@@ -312,13 +312,13 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- $env = append $env (dict "name" "NIM_SHUTDOWN_GRACE_SECONDS" "value" ($m.shutdownGraceSeconds | toString)) }}
 {{- $env = append $env (dict "name" "NIM_LOG_LEVEL" "value" $m.logLevel) }}
 {{- $env = append $env (dict "name" "NIM_JSONL_LOGGING" "value" (ternary "1" "0" $m.jsonLogging)) }}
-{{- with $m.name }}
+{{- with $m.path }}
 {{- $env = append $env (dict "name" "NIM_MODEL_NAME" "value" .) }}
 {{- end }}
 {{- with $m.profile }}
 {{- $env = append $env (dict "name" "NIM_MODEL_PROFILE" "value" .) }}
 {{- end }}
-{{- with $m.servedName }}
+{{- with include "nim-torch.servedName" . }}
 {{- $env = append $env (dict "name" "NIM_SERVED_MODEL_NAME" "value" .) }}
 {{- end }}
 {{- if not (kindIs "invalid" $m.maxModelLen) }}
@@ -386,6 +386,113 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- end }}
 {{- end }}
 {{- toYaml $out }}
+{{- end }}
+
+{{/*
+The API name of the model: model.name (NVIDIA's nim-llm meaning), else its deprecated spelling
+model.servedName; "" = the server's default.
+*/}}
+{{- define "nim-torch.servedName" -}}
+{{- .Values.model.name | default .Values.model.servedName }}
+{{- end }}
+
+{{/*
+The main Service's name: service.name (nim-llm's override), else the full name.
+*/}}
+{{- define "nim-torch.serviceName" -}}
+{{- .Values.service.name | default (include "nim-torch.fullname" .) }}
+{{- end }}
+
+{{/*
+Whether the model to load is named anywhere: model.path, or NIM_MODEL_NAME in env/extraEnv (the
+way NVIDIA's nim-llm chart names it for the multi-LLM NIM).
+*/}}
+{{- define "nim-torch.modelToLoad" -}}
+{{- $named := .Values.model.path }}
+{{- range concat (.Values.env | default list) (.Values.extraEnv | default list) }}
+{{- if eq .name "NIM_MODEL_NAME" }}{{ $named = "env" }}{{ end }}
+{{- end }}
+{{- $named }}
+{{- end }}
+
+{{/*
+One chart-created cache claim (<fullname>-cache) mounted by every replica: a Deployment's, or, with
+nim-llm's persistence.accessMode ReadWriteMany, a StatefulSet's (nim-llm's meaning: a central RWX
+claim instead of one claim per replica). "" = none (an existing claim, per-replica claims, no
+persistence).
+*/}}
+{{- define "nim-torch.sharedCacheClaim" -}}
+{{- $p := .Values.persistence }}
+{{- if and $p.enabled (not $p.existingClaim) }}
+{{- if or (eq .Values.workload.kind "Deployment") (eq ($p.accessMode | default "") "ReadWriteMany") }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Values written for NVIDIA's nim-llm chart, mapped onto this chart's keys with nim-llm's meaning.
+Every template includes it first (it is idempotent), so all of them see the same values. A nim-llm
+key this chart cannot honour stops the install here with one line saying why.
+*/}}
+{{- define "nim-torch.nimLlmCompat" -}}
+{{- $v := .Values }}
+{{- $m := $v.model }}
+{{- if $m.legacyCompat }}
+{{- fail "model.legacyCompat: pre-1.0 NIM containers (nemollm_inference_ms and its ports) are not supported by this chart; leave it false" }}
+{{- end }}
+{{- if $m.ngcAPIKey }}
+{{- fail "model.ngcAPIKey: this chart takes no keys as literal values and its server does not download from NGC; put HF_TOKEN in a Secret and name it in model.hfTokenSecret.name (or model.ngcAPISecret)" }}
+{{- end }}
+{{- if $v.multiNode.enabled }}
+{{- fail "multiNode.enabled: multi-node deployments (LeaderWorkerSet, MPIJob) are not supported by this chart; tensor parallelism runs inside one pod (model.tensorParallelSize)" }}
+{{- end }}
+{{- if and (kindIs "map" $v.initContainers) $v.initContainers.ngcInit }}
+{{- fail "initContainers.ngcInit: the NGC CLI model puller is not supported; the server downloads the model itself (to pre-fill the cache, run `download-to-cache` in initContainers.extraInit)" }}
+{{- end }}
+{{- range concat ($v.env | default list) ($v.extraEnv | default list) }}
+{{- if eq .name "NIM_MODEL_PATH" }}
+{{- fail "env NIM_MODEL_PATH (NIM 2.x model-free) is not read by this server: name the model to load in model.path or env NIM_MODEL_NAME (a Hugging Face id without hf://, a directory or a .gguf file in the container)" }}
+{{- end }}
+{{- end }}
+{{- if and $v.nfs.enabled (not $v.persistence.enabled) (not $v.hostPath.enabled) (or (not $v.nfs.server) (not $v.nfs.path)) }}
+{{- fail "nfs.enabled needs nfs.server and nfs.path (the export the cache lives on)" }}
+{{- end }}
+{{- if and $m.name $m.servedName (ne $m.name $m.servedName) }}
+{{- fail (printf "model.name (%s) and model.servedName (%s, its deprecated spelling) disagree: set model.name only" $m.name $m.servedName) }}
+{{- end }}
+{{- if not (kindIs "invalid" $v.statefulSet.enabled) }}
+{{- $_ := set $v.workload "kind" (ternary "StatefulSet" "Deployment" $v.statefulSet.enabled) }}
+{{- end }}
+{{- if not (kindIs "invalid" $v.replicaCount) }}
+{{- $_ := set $v.workload "replicas" $v.replicaCount }}
+{{- end }}
+{{- with $v.persistence.accessMode }}
+{{- $_ := set $v.persistence "accessModes" (list .) }}
+{{- end }}
+{{- with $v.customCommand }}
+{{- $_ := set $v "command" . }}
+{{- end }}
+{{- with $v.customArgs }}
+{{- $_ := set $v "args" . }}
+{{- end }}
+{{- with $v.containerSecurityContext }}
+{{- $_ := set $v "securityContext" . }}
+{{- end }}
+{{- with $m.labels }}
+{{- $_ := set $v "podLabels" (merge (deepCopy ($v.podLabels | default dict)) .) }}
+{{- end }}
+{{- if kindIs "map" $v.initContainers }}
+{{- $_ := set $v "initContainers" ($v.initContainers.extraInit | default list) }}
+{{- end }}
+{{- range $key := list "extraVolumes" "extraVolumeMounts" }}
+{{- $given := index $v $key }}
+{{- if kindIs "map" $given }}
+{{- $items := list }}
+{{- range $name, $spec := $given }}
+{{- $items = append $items (merge (dict "name" $name) (deepCopy $spec)) }}
+{{- end }}
+{{- $_ := set $v $key $items }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*

@@ -104,15 +104,27 @@ spec:
     - name: nim-cache
       persistentVolumeClaim:
         claimName: {{ $v.persistence.existingClaim }}
-    {{- else if and $v.persistence.enabled (eq $v.workload.kind "Deployment") }}
+    {{- else if include "nim-torch.sharedCacheClaim" . }}
     - name: nim-cache
       persistentVolumeClaim:
         claimName: {{ include "nim-torch.fullname" . }}-cache
+    {{- else if and (not $v.persistence.enabled) $v.hostPath.enabled }}
+    {{- /* nim-llm's node-local cache; as there, persistence.enabled wins over hostPath and nfs */}}
+    - name: nim-cache
+      hostPath:
+        path: {{ $v.hostPath.path }}
+        type: DirectoryOrCreate
+    {{- else if and (not $v.persistence.enabled) $v.nfs.enabled }}
+    - name: nim-cache
+      nfs:
+        server: {{ $v.nfs.server | quote }}
+        path: {{ $v.nfs.path | quote }}
+        readOnly: {{ $v.nfs.readOnly }}
     {{- else if not $v.persistence.enabled }}
     - name: nim-cache
       emptyDir: {}
     {{- end }}
-    {{- /* StatefulSet + persistence without existingClaim: nim-cache comes from volumeClaimTemplates. */}}
+    {{- /* StatefulSet + persistence, no existing or shared claim: nim-cache comes from volumeClaimTemplates. */}}
     - name: tmp
       emptyDir:
         {{- with $v.tmp.sizeLimit }}
