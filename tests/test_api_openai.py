@@ -234,3 +234,55 @@ def test_sse_wire_format(base_url: str) -> None:
         chunk = json.loads(line.removeprefix("data: "))
         assert chunk["object"] == "chat.completion.chunk"
         assert "usage" not in chunk  # only with stream_options.include_usage
+
+
+def test_template_fields_the_embedded_template_does_not_read_are_refused(client: openai.OpenAI) -> None:
+    """SmolLM2's template reads neither reasoning_effort nor enable_thinking: each is a 400 naming
+    the field, not a 200 without effect; so is a request's own template (NIM_TRUST_... unset)."""
+    cases: list[tuple[dict, str]] = [
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        (
+            {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+            "chat_template_kwargs.enable_thinking",
+        ),
+        ({"extra_body": {"chat_template": "{{ messages[0].content }}"}}, "chat_template"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=EMBEDDED_NAME, messages=CAPITAL, max_tokens=2, **fields)
+        assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_prompt_logprobs_on_chat_equal_the_echoed_prompt(client: openai.OpenAI, embedded_tokenizer) -> None:
+    """vLLM's prompt_logprobs on chat: per prompt token (None first), by token id; the same numbers
+    completions' echo with logprobs gives for the same tokens."""
+    prompt = chat_prompt_tokens(embedded_tokenizer, CAPITAL)
+    out = client.chat.completions.create(
+        model=EMBEDDED_NAME, messages=CAPITAL, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    entries = out.model_extra["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    echo = client.completions.create(model=EMBEDDED_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    want = echo.choices[0].logprobs.token_logprobs[1 : len(prompt)]
+    got = [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], prompt[1:], strict=True)]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert all(any(e["rank"] == 1 for e in entry.values()) for entry in entries[1:])
+
+
+def test_continuous_usage_stats_on_completions(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model=EMBEDDED_NAME,
+            prompt="The capital of France is",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    *answer, last = chunks
+    assert last.usage.completion_tokens == 5 and not last.choices
+    counts = [chunk.usage.completion_tokens for chunk in answer]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 2
+    assert all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in answer)

@@ -467,7 +467,12 @@ def test_prompt_logprobs_on_chat_match_completions_echo(client: openai.OpenAI) -
 def test_deepseek_r1_set_by_name(thinker: Path, tmp_path: Path) -> None:
     """NIM_REASONING_PARSER=deepseek_r1 over a template it was not recognised from: the answer is
     thinking until </think> (a leading <think> dropped), and without one it is all thinking."""
-    env = {**FP32, "NIM_MODEL_NAME": str(thinker), "NIM_REASONING_PARSER": "deepseek_r1"}
+    env = {
+        **FP32,
+        "NIM_MODEL_NAME": str(thinker),
+        "NIM_REASONING_PARSER": "deepseek_r1",
+        "NIM_TRUST_REQUEST_CHAT_TEMPLATE": "1",
+    }
     with serving(tmp_path / "server.log", env) as server:
         client = _client(server)
         message = _chat(client).choices[0].message
@@ -477,6 +482,40 @@ def test_deepseek_r1_set_by_name(thinker: Path, tmp_path: Path) -> None:
         response = httpx.get(f"{server.base_url}/v1/health/ready", timeout=10)
         assert response.status_code == 200
         assert "reasoning parser deepseek_r1 (NIM_REASONING_PARSER)" in server.log()
+        # a request's own template, trusted here: it closes the thinking in the prompt
+        closed = TEMPLATE.replace(
+            "{%- else %}<|assistant|>{% endif %}", "{%- else %}<|assistant|><think></think>{% endif %}"
+        )
+        assert closed != TEMPLATE
+        answer = _chat(client, extra_body={"chat_template": closed}).choices[0].message
+        assert (answer.reasoning_content, answer.content) == (None, "Hello there")
+        with pytest.raises(openai.BadRequestError) as caught:
+            _chat(client, extra_body={"chat_template": "{% for m in messages %}"})
+        assert caught.value.body["param"] == "chat_template"  # type: ignore[index]
+
+
+def test_a_request_template_is_refused_unless_trusted(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="NIM_TRUST_REQUEST_CHAT_TEMPLATE=1") as caught:
+        _chat(client, extra_body={"chat_template": TEMPLATE})
+    assert caught.value.body["param"] == "chat_template"  # type: ignore[index]
+
+
+def test_a_tool_call_cut_by_max_tokens_is_dropped(client: openai.OpenAI) -> None:
+    """<tool_call> and the call's JSON, then max_tokens: no </tool_call>, so no call, and no half
+    call in content either; finish_reason says length."""
+    fields: dict[str, Any] = {
+        "tools": [WEATHER],
+        "max_tokens": 2,
+        "extra_body": {"chat_template_kwargs": {"call_now": True}},
+    }
+    out = _chat(client, **fields)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 2
+    assert choice.message.content is None and not choice.message.tool_calls
+    chunks = _stream(client, **fields)
+    assert _joined(chunks) == ("", "")
+    assert not [c for chunk in chunks for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_tensorrt_llm_refuses_a_constraint_after_thinking(

@@ -58,7 +58,7 @@ from service.api.schemas import (
     TokenizeResponse,
     Usage,
 )
-from service.api.state import Ready, ServiceState
+from service.api.state import ApiLimits, Ready, ServiceState
 from service.api.tools import ToolCall, ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.telemetry.tracing import annotate
@@ -117,16 +117,19 @@ def _chat_prompt(
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None,
     variables: dict[str, Any],
+    source: str | None = None,
 ) -> tuple[str, list[int]]:
-    """The conversation's prompt, as text and tokens: rendered by the chat template (with the
-    request's template `variables`), then tokenized. Slow for long conversations (seconds for
-    megabytes): run it off the event loop."""
+    """The conversation's prompt, as text and tokens: rendered by the chat template (the request's
+    own `source`, when it sent one, else the model's; with the request's template `variables`),
+    then tokenized. Slow for long conversations (seconds for megabytes): run it off the event loop."""
     rendered = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
         extra = {**variables, "tools": tools} if tools is not None else dict(variables)
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=True, chat_template=source, **extra
+        )
     except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from None
+        raise invalid_request(str(exc), "messages" if source is None else "chat_template") from None
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -217,7 +220,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        ready.tokenizer.chat_template_for(tools=True),
+        _template(ready.tokenizer, body, limits, tools=True),
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )
@@ -235,10 +238,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     num_chars = sum(len(m.text()) for m in body.messages)  # the prompt holds at least these
     check_prompt_chars(num_chars, ready.tokenizer.max_token_chars, max_model_len, "messages", limits)
     tools_shown = body.tools if tools is not None else None
-    template = ready.tokenizer.chat_template_for(tools=tools_shown is not None)
+    template = _template(ready.tokenizer, body, limits, tools=tools_shown is not None)
     variables = _template_variables(body, template, ready.tokenizer)
     text, prompt = await asyncio.to_thread(
-        _chat_prompt, ready.tokenizer, body.messages, tools_shown, variables
+        _chat_prompt, ready.tokenizer, body.messages, tools_shown, variables, body.chat_template
     )
     turn = ready.reasoning.for_prompt(text) if ready.reasoning is not None else None
     if guided is not None and turn is not None:  # the constraint starts where the thinking ends
@@ -300,6 +303,26 @@ def _check_prompt_logprobs(body: ChatCompletionRequest | CompletionRequest, read
         raise invalid_request("prompt_logprobs are not supported by this server's engine", "prompt_logprobs")
 
 
+def _template(
+    tokenizer: Tokenizer, body: ChatCompletionRequest, limits: ApiLimits, tools: bool
+) -> ChatTemplate | None:
+    """The chat template the conversation is rendered with: the request's own `chat_template`
+    where the operator trusts requests with one (NIM_TRUST_REQUEST_CHAT_TEMPLATE, as vLLM's
+    --trust-request-chat-template), else a 400; the model's otherwise."""
+    if body.chat_template is None:
+        return tokenizer.chat_template_for(tools=tools)
+    if not limits.trust_request_chat_template:
+        raise invalid_request(
+            "a request's own chat_template is refused by this server; its operator may allow it with "
+            "NIM_TRUST_REQUEST_CHAT_TEMPLATE=1 (it then runs sandboxed, size- and time-limited)",
+            "chat_template",
+        )
+    try:
+        return tokenizer.chat_template_for(tools=tools, source=body.chat_template)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "chat_template") from None
+
+
 # Template variables the server sets itself: not to be replaced through chat_template_kwargs.
 _RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
@@ -344,14 +367,16 @@ class _Answer:
     reasoning: bool  # the model has a reasoning parser: usage counts reasoning_tokens
 
     def message(self, text: str, finish: FinishReason | None) -> tuple[ResponseMessage, FinishReason | None]:
+        """The message of a finished answer, and its finish reason: "tool_calls" when it made
+        calls, "length" still where max_tokens cut it (a call it left unfinished is dropped)."""
         reasoning, content = self.turn.split(text) if self.turn is not None else (None, text)
         if self.tools is not None and content:
-            parsed, calls = self.tools.parse(content)
-            if calls:
-                calls_out = [c.to_openai() for c in calls]
-                return ResponseMessage(
-                    content=parsed, reasoning_content=reasoning, tool_calls=calls_out
-                ), "tool_calls"
+            cut = finish == "length"
+            parsed, calls = self.tools.parse(content, cut=cut)
+            if calls or cut:
+                calls_out = [c.to_openai() for c in calls] or None
+                message = ResponseMessage(content=parsed, reasoning_content=reasoning, tool_calls=calls_out)
+                return message, finish if cut or not calls else "tool_calls"
         return ResponseMessage(content=content, reasoning_content=reasoning), finish
 
     def count_reasoning(self, totals: Usage, token_ids: list[list[int]]) -> None:
@@ -381,13 +406,14 @@ class _ChoiceStream:
         reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
         return reasoning, content if self.tools is None else self.tools.feed(content)
 
-    def finish(self) -> tuple[str, str | None, list[ToolCall]]:
-        """(reasoning, content, tool calls) still to send at the end."""
+    def finish(self, cut: bool) -> tuple[str, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) still to send at the end; `cut`: by max_tokens (a call
+        left unfinished is dropped)."""
         reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
         if self.tools is None:
             return reasoning, content or None, []
         shown = self.tools.feed(content)
-        rest, calls = self.tools.finish()
+        rest, calls = self.tools.finish(cut=cut)
         return reasoning, (shown + (rest or "")) or None, calls
 
 
@@ -434,13 +460,13 @@ async def _chat_stream(
             yield chunk(index, _delta(content, reasoning, answer), logprobs=logprobs)
         if out.finished:
             finish = client_finish_reason(out)
-            reasoning, rest, calls = choice.finish()
+            reasoning, rest, calls = choice.finish(cut=finish == "length")
             if calls:
                 deltas = [c.to_openai(index=j) for j, c in enumerate(calls)]
                 yield chunk(
                     index, DeltaMessage(content=rest, reasoning_content=reasoning or None, tool_calls=deltas)
                 )
-                finish = "tool_calls"
+                finish = finish if finish == "length" else "tool_calls"
             elif reasoning or rest:
                 yield chunk(index, DeltaMessage(content=rest, reasoning_content=reasoning or None))
             finish_reasons[index] = finish
