@@ -271,7 +271,7 @@ class Settings(BaseSettings):
         description="CPU threads for the PyTorch engine; default all available cores.",
     )
 
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
         None,
         validation_alias=_env("NIM_TOOL_CALL_PARSER"),
         description="The model's tool-call format; unset = recognised from its chat template.",

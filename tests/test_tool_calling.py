@@ -380,3 +380,155 @@ def test_a_streamed_call_cut_by_max_tokens_sends_nothing_of_it() -> None:
     llama = ToolStream(_spec("llama3_json"))
     assert llama.feed('{"name": "get_time", "parameters": {"zone": ') == ""
     assert llama.finish(cut=True) == (None, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# pythonic (Llama 3.2 / Llama 4): `[name(arg=literal, ...)]`
+# ---------------------------------------------------------------------------------------------
+
+# A ChatML template (so the embedded model can be served with it) that renders tools the way vLLM's
+# tool_chat_template_llama3.2_pythonic.jinja does: the format spelled out with func_name1(...).
+PYTHONIC_TEMPLATE = (
+    "<|im_start|>system\n"
+    "{%- if tools %}You have access to the following functions. To call functions, please respond with a "
+    "python list of the calls. Respond in the format [func_name1(params_name1=params_value1, "
+    "params_name2=params_value2...), func_name2(params)] Do not use variables.\n\n"
+    "{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{% endif %}"
+    "You are a helpful assistant.<|im_end|>\n"
+    "{%- for m in messages %}"
+    "{%- if m.tool_calls %}<|im_start|>assistant\n["
+    "{%- for c in m.tool_calls %}{{ c.function.name }}("
+    "{%- for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}"
+    "{% if not loop.last %}, {% endif %}"
+    "{%- endfor %}){% if not loop.last %}, {% endif %}{% endfor %}]<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>ipython\n{{ m.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_pythonic_calls_parse_with_literals_only() -> None:
+    spec = _spec("pythonic")
+    content, calls = spec.parse("[get_weather(city=\"Lima\", days=2), get_time(zone='UTC')]")
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Lima", "days": 2}),
+        ("get_time", {"zone": "UTC"}),
+    ]
+    nested = spec.parse('<|python_tag|>[get_time(zone="CET", extra=[1, (2, 3), {"a": None, "b": True}])]')[1]
+    assert json.loads(nested[0].arguments) == {"zone": "CET", "extra": [1, [2, 3], {"a": None, "b": True}]}
+    for bad in (
+        '[get_time(zone=__import__("os").getcwd())]',  # a call as a value: never evaluated
+        "[get_time(zone=UTC)]",  # a name, not a literal
+        "[get_weather(days=1 + 1)]",  # an expression
+        '[get_time("UTC")]',  # positional
+        "[get_time(**{'zone': 'UTC'})]",
+        "[os.system(cmd='ls')]",  # not a plain name
+        '[launch_rockets(when="now")]',  # not offered
+        "[get_time(zone={1, 2})]",  # a set has no JSON
+        "[get_time(zone=1e999)]",  # inf has no JSON
+        "[]",
+        'get_time(zone="UTC")',  # not a list
+        'Sure: [get_time(zone="UTC")]',  # text first: content (the format is the whole answer)
+        "[" * 500 + "]" * 500,
+    ):
+        assert spec.parse(bad) == (bad, []), bad
+    assert spec.parse('[get_time(zone="UTC"), get_weather(city="Li', cut=True) == (None, [])
+    assert _spec("pythonic", parallel=False).parse('[get_time(zone="UTC"), get_time(zone="CET")]')[1][
+        0
+    ].name == ("get_time")
+
+
+def test_pythonic_is_recognised_and_streamed_calls_are_held_back() -> None:
+    from service.api.tools import ToolStream
+
+    assert detect_parser(PYTHONIC_TEMPLATE) == "pythonic"
+    template = ChatTemplate(PYTHONIC_TEMPLATE)
+    spec = tool_spec(TOOLS, "auto", None, template, None, True)
+    assert spec is not None and spec.parser == "pythonic"
+    stream = ToolStream(_spec("pythonic"))
+    assert "".join(stream.feed(p) for p in [" [get_t", 'ime(zone="UTC")', "]"]) == ""
+    content, calls = stream.finish()
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    dashed = [{"type": "function", "function": {"name": "get-time", "parameters": TIME}}]
+    assert tool_spec(dashed, "auto", None, template, None, True) is not None  # it can never be called
+    with pytest.raises(APIError, match="cannot spell 'get-time'"):
+        tool_spec(dashed, "required", None, template, None, True)
+    keyword = [
+        {"type": "function", "function": {"name": "convert", "parameters": {"properties": {"from": {}}}}}
+    ]
+    with pytest.raises(APIError, match="cannot spell 'from'"):
+        tool_spec(keyword, {"type": "function", "function": {"name": "convert"}}, None, template, None, True)
+    words = ToolStream(_spec("pythonic"))
+    assert words.feed("It is [noon]") == "It is [noon]"  # an answer that starts with words is content
+    odd = ToolStream(_spec("pythonic"))
+    assert odd.feed("[citation needed]") == "" and odd.finish() == ("[citation needed]", [])
+
+
+def test_the_pythonic_grammar_accepts_calls_and_refuses_the_rest() -> None:
+    xgrammar = pytest.importorskip("xgrammar")
+    guided = _spec("pythonic", choice="required").guided()
+    assert guided is not None and guided.kind == "grammar"
+    grammar = xgrammar.Grammar.from_ebnf(guided.spec)
+    vocab = [chr(c) for c in range(32, 127)] + ["\n", "</s>"]
+    info = xgrammar.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    compiled = xgrammar.GrammarCompiler(info).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return (
+            matcher.accept_string(text) and matcher.accept_token(len(vocab) - 1) and matcher.is_terminated()
+        )
+
+    for good in (
+        '[get_weather(city="Paris", days=3)]',
+        '[get_time(zone="UTC")]',
+        '[get_weather(city="Lima", days=-1)]',
+    ):
+        assert accepts(good), good
+        assert _spec("pythonic").parse(good)[1], good
+    for bad in (
+        '[get_weather(city="Rome", days=3)]',  # not in the enum
+        '[get_time(zone="UTC"), get_time(zone="UTC")]',  # one call only
+        "[get_time()]",  # a required argument missing
+        '[get_weather(days=3, city="Paris")]',  # required ones first, in the schema's order
+        "[get_time(zone=UTC)]",
+    ):
+        assert not accepts(bad), bad
+
+
+@pytest.fixture(scope="module")
+def pythonic_server(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("pythonic")
+    (directory / "pythonic.jinja").write_text(PYTHONIC_TEMPLATE)
+    env = {"NIM_CHAT_TEMPLATE": str(directory / "pythonic.jinja")}
+    with serving(directory / "server.log", env) as process:
+        yield process
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_pythonic_call_comes_back_as_tool_calls(pythonic_server, stream: bool) -> None:
+    """The embedded model served with a pythonic template: the grammar writes `[get_weather(...)]`,
+    which is parsed into tool_calls whose arguments validate."""
+    from tests.conftest import EMBEDDED_NAME
+
+    client = _client(pythonic_server)
+    kwargs = {
+        "model": EMBEDDED_NAME,
+        "messages": [{"role": "user", "content": "What will the weather be in Lima in 3 days?"}],
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        [call] = reply.choices[0].message.tool_calls or []
+    else:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not "".join(d.content or "" for d in deltas)
+        [call] = [t for d in deltas for t in (d.tool_calls or [])]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    _check_call(call, {"get_weather"})

@@ -7,7 +7,12 @@ family's format, which a parser reads back:
   one block per call, possibly after some text;
 - llama3_json (Llama 3.1-3.3): a JSON object `{"name": ..., "parameters": {...}}`, optionally
   after `<|python_tag|>`, several separated by `;`;
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- pythonic (Llama 3.2 / Llama 4 with vLLM's pythonic templates): the whole answer is a Python list of
+  calls, `[get_weather(city="Paris"), get_time(zone="UTC")]`, read with Python's `ast`: keyword
+  arguments only, each value a literal as `ast.literal_eval` reads it (strings, numbers, True /
+  False / None, lists, tuples, dicts); anything else -- a name, an expression, a nested call -- is
+  not a call, and nothing is ever evaluated.
 
 The parser is chosen from the chat template (the markers it renders), or NIM_TOOL_CALL_PARSER;
 a template that never reads `tools` cannot show them to the model, and tools are refused for it.
@@ -15,7 +20,10 @@ a template that never reads `tools` cannot show them to the model, and tools are
 the answer, and text that is not a well-formed call of a known function stays content (never an
 empty tool_calls list); `required` and a named function constrain the output with a grammar
 (service.engine GuidedDecoding: the call's JSON, its parameters' schema, between the format's
-markers), so the call always parses and its arguments validate.
+markers), so the call always parses and its arguments validate. For pythonic the grammar is EBNF
+(`pythonic_grammar`): `[name(arg=value, ...)]` with the function's parameter names, required ones
+first, and Python-literal values typed by each parameter's schema where it names a string, integer,
+number, boolean or enum (other values: any literal).
 
 `parallel_tool_calls: false` promises at most one call. A grammar (required, named) makes exactly
 one. Under auto, a hermes answer is stopped at the end of its first call (the close marker is a
@@ -25,7 +33,9 @@ unit, so a second call there is dropped, and the drop is logged with the request
 
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import logging
 import re
 import uuid
@@ -38,14 +48,17 @@ from service.text.chat_template import ChatTemplate
 
 log = logging.getLogger(__name__)
 
-ParserName = Literal["hermes", "llama3_json", "mistral"]
-PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json", "mistral")
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json", "mistral", "pythonic")
 # What starts a call in each format's output.
 _MARKERS: dict[ParserName, str] = {
     "hermes": "<tool_call>",
     "mistral": "[TOOL_CALLS]",
     "llama3_json": "<|python_tag|>",
+    "pythonic": "<|python_tag|>",
 }
+# Formats whose call is the whole answer, beginning with this character (after <|python_tag|>).
+_WHOLE_ANSWER: dict[ParserName, str] = {"llama3_json": "{", "pythonic": "["}
 _HERMES_END = "</tool_call>"
 
 
@@ -90,6 +103,8 @@ class ToolSpec:
         if not self.forced:
             return None
         names = list(self.functions) if self.choice == "required" else [str(self.choice)]
+        if self.parser == "pythonic":
+            return GuidedDecoding("grammar", pythonic_grammar({n: self.functions[n] for n in names}))
         key = "parameters" if self.parser == "llama3_json" else "arguments"
         cases = [
             {
@@ -155,9 +170,12 @@ class ToolStream:
             self.held = buffer
             return ""
         marker = _MARKERS[self.spec.parser]
-        if self.spec.parser == "llama3_json":  # a call is the whole answer, JSON from its start
+        opening = _WHOLE_ANSWER.get(self.spec.parser)
+        if opening is not None:  # a call is the whole answer, from its start
             stripped = buffer.lstrip()
-            if not self.emitted and (stripped[:1] in ("", "{") or marker.startswith(stripped[: len(marker)])):
+            if not self.emitted and (
+                stripped[:1] in ("", opening) or marker.startswith(stripped[: len(marker)])
+            ):
                 self.held = buffer
                 return ""
             self.held = ""
@@ -198,6 +216,10 @@ def _unfinished_call(parser: ParserName, text: str) -> int | None:
             keep = _overlap(text.rstrip(), "[TOOL_CALLS]")
             return len(text.rstrip()) - keep if keep else None
         return at if _PARSE["mistral"](text[at:]) is None else None
+    if parser == "pythonic":
+        body = text.lstrip()
+        begun = body.startswith(("[", "<|python_tag|>")) or (bool(body) and "<|python_tag|>".startswith(body))
+        return len(text) - len(body) if begun and _parse_pythonic(text) is None else None
     return _unfinished_llama3(text)
 
 
@@ -288,9 +310,18 @@ def tool_spec(
     if parser is None:
         raise invalid_request(
             "this model's chat template does not render tools in a format this server parses "
-            "(hermes, llama3_json, mistral); set NIM_TOOL_CALL_PARSER if it uses one of them",
+            "(hermes, llama3_json, mistral, pythonic); set NIM_TOOL_CALL_PARSER if it uses one of them",
             "tools",
         )
+    if parser == "pythonic" and choice != "auto":
+        forced = functions if choice == "required" else {choice: functions[choice]}
+        unspellable = _not_python_names(forced)
+        if unspellable:
+            raise invalid_request(
+                f"tool_choice {choice}: the pythonic tool-call format writes calls as Python, which cannot "
+                f"spell {', '.join(repr(n) for n in unspellable[:5])}; use names that are Python identifiers",
+                "tool_choice",
+            )
     if choice == "auto" and not auto_enabled:
         raise invalid_request(
             "tool_choice auto is disabled on this server (NIM_ENABLE_AUTO_TOOL_CHOICE=0); use required or a "
@@ -308,6 +339,8 @@ def detect_parser(template: str | None) -> ParserName | None:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "[func_name1(" in template:  # vLLM's Llama 3.2 / Llama 4 pythonic templates show the format so
+        return "pythonic"
     if "<|python_tag|>" in template or ("ipython" in template and "parameters" in template):
         return "llama3_json"
     return None
@@ -401,4 +434,100 @@ def _parse_mistral(text: str) -> list[ToolCall] | None:
     return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
-_PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3, "mistral": _parse_mistral}
+def _parse_pythonic(text: str) -> list[ToolCall] | None:
+    """`[name(arg=literal, ...), ...]`, read with `ast` and `ast.literal_eval` (never evaluated)."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments = {}
+        for argument in node.keywords:
+            if argument.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[argument.arg] = ast.literal_eval(argument.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+        try:
+            encoded = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # a set, bytes, a complex number, inf
+            return None
+        calls.append(ToolCall(node.func.id, encoded))
+    return calls
+
+
+# The pythonic grammar's values: Python literals, written the way JSON writes them where the two
+# agree (double-quoted strings), with Python's True / False / None.
+_PYTHON_LITERALS = r"""
+py_value ::= py_string | py_number | py_bool | "None" | py_list | py_dict
+py_string ::= "\"" py_char* "\""
+py_char ::= [^"\\\n\r] | "\\" ["\\bfnrt] | "\\u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]
+py_int ::= "-"? ("0" | [1-9] [0-9]*)
+py_number ::= py_int ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
+py_bool ::= "True" | "False"
+py_list ::= "[" (py_value (", " py_value)*)? "]"
+py_dict ::= "{" (py_string ": " py_value (", " py_string ": " py_value)*)? "}"
+"""
+
+
+def _value_rule(schema: Any) -> str:
+    """The grammar of one argument's value, from its schema where it is simple."""
+    if not isinstance(schema, dict):
+        return "py_value"
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(json.dumps(v)) for v in enum) + ")"
+    return {"string": "py_string", "integer": "py_int", "number": "py_number", "boolean": "py_bool"}.get(
+        str(schema.get("type")), "py_value"
+    )
+
+
+def _properties(schema: dict[str, Any]) -> dict[str, Any]:
+    properties = schema.get("properties")
+    return properties if isinstance(properties, dict) else {}
+
+
+def _not_python_names(functions: dict[str, dict[str, Any]]) -> list[str]:
+    """Function and parameter names a Python call cannot spell (`get-weather`, `from`)."""
+    names = [*functions, *(p for schema in functions.values() for p in _properties(schema))]
+    return [n for n in names if not isinstance(n, str) or not n.isidentifier() or keyword.iskeyword(n)]
+
+
+def pythonic_grammar(functions: dict[str, dict[str, Any]]) -> str:
+    """EBNF for one pythonic call of one of `functions`: `[name(arg=value, ...)]`, the required
+    parameters in the schema's order, then the optional ones, each optional (in order)."""
+    rules = ['root ::= "[" (' + " | ".join(f"call_{i}" for i in range(len(functions))) + ') "]"']
+    for i, (name, schema) in enumerate(functions.items()):
+        properties = _properties(schema)
+        listed = schema.get("required")
+        required = (
+            [p for p in listed if isinstance(p, str) and p in properties] if isinstance(listed, list) else []
+        )
+        optional = [p for p in properties if p not in required]
+        spelled = {p: f"{json.dumps(p + '=')} {_value_rule(properties[p])}" for p in properties}
+        body = ' ", " '.join(spelled[p] for p in required)
+        if body:
+            body += "".join(f' (", " {spelled[p]})?' for p in optional)
+        elif optional:  # the first argument given is any optional one, the rest in order after it
+            starts = [spelled[p] + "".join(f' (", " {spelled[q]})?' for q in optional[j + 1 :])
+                      for j, p in enumerate(optional)]  # fmt: skip
+            body = "(" + " | ".join(starts) + ")?"
+        rules.append(f'call_{i} ::= {json.dumps(name + "(")} {body} ")"')
+    return "\n".join(rules) + _PYTHON_LITERALS
+
+
+_PARSE = {
+    "hermes": _parse_hermes,
+    "llama3_json": _parse_llama3,
+    "mistral": _parse_mistral,
+    "pythonic": _parse_pythonic,
+}
