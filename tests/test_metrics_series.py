@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from service.config import Settings
 from tests.conftest import EMBEDDED_NAME
 
 # vLLM's buckets, as vllm/v1/metrics/loggers.py declares them (written out here, not imported from
@@ -194,9 +195,10 @@ def test_every_series_moves_as_requests_are_served(
     }.items():
         assert delta(name) == value, name
     assert delta(f'vllm:request_success_total{{finished_reason="length",model_name="{EMBEDDED_NAME}"}}') == n
-    # NIM's gauges are there; num_request_max is not exported yet (see the README's metrics section).
+    # NIM's gauges are there; num_request_max is the engine's batch limit (NIM_MAX_NUM_SEQS).
     for gauge in ("num_requests_running", "num_requests_waiting", "gpu_cache_usage_perc"):
         assert gauge in after, gauge
+    assert after["num_request_max"] == Settings.model_fields["max_num_seqs"].default
 
 
 def test_phases_add_up(run: tuple[dict[str, float], dict[str, float], list[Sent]]) -> None:

@@ -82,6 +82,11 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "gpu_cache_usage_perc", "KV cache blocks in use (0-1).", value=stats.kv_cache_usage
         )
+        yield GaugeMetricFamily(
+            "num_request_max",
+            "Requests the engine runs at once (0 while the model loads).",
+            value=self.info.max_num_seqs if self.info is not None else 0,
+        )
         yield _histogram(
             "vllm:iteration_tokens_total", "Tokens computed per engine step.", name, stats.step_tokens
         )

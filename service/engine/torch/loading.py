@@ -178,6 +178,7 @@ def build_engine(
             guided_decoding=xgrammar_available(),
         ),
         max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
+        max_num_seqs=config.scheduler.max_num_seqs,
     )
     return TorchEngine(
         loaded.model,

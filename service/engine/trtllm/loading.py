@@ -56,6 +56,7 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
         kv_cache_dtype=config.kv_cache.dtype if config.kv_cache.dtype != "auto" else "auto",
         kv_block_size=config.kv_cache.block_size,
         kv_num_blocks=0,  # known from TensorRT-LLM's stats once it runs
+        max_num_seqs=config.scheduler.max_num_seqs,  # max_batch_size
         device="cuda:0",
         tensor_parallel_size=config.tensor_parallel_size,
         features=EngineFeatures(
