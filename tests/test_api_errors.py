@@ -65,8 +65,10 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages.0.content",
+            "messages.0.content.0",
         ),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"presence_penalty": 5}, "presence_penalty"),
         ({"top_logprobs": 25, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -99,6 +101,9 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a", "nvext": {"guided_choice": ["x"]}}, "nvext.guided_choice"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"no_such_field": 1}, "no_such_field"),
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ],
 )
 def test_invalid_chat_parameters_are_400(http: httpx.Client, patch: dict, param: str) -> None:

@@ -35,11 +35,13 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from service.api.request_fields import Endpoint, lookup
 from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
 
 MAX_COMPLETION_TOKENS = 8
 VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer's
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback")
 
 # (method, path, examples: each draws one positive and one negative request)
@@ -142,8 +144,42 @@ def _repaired(path: str, body: dict[str, Any]) -> dict[str, Any]:
         out["nvext"] = {k: v for k, v in out["nvext"].items() if not k.startswith("guided_")}
     for unsupported in ("suffix", "tools", "response_format"):
         out.pop(unsupported, None)
+    # Fields other tests cover (a request's template, reasoning, prompt logprobs, constraints): kept
+    # out so that most repaired bodies generate.
+    for covered in ("chat_template", "chat_template_kwargs", "reasoning_effort", "prompt_logprobs",
+                    "structured_outputs"):  # fmt: skip
+        out.pop(covered, None)
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [_text_only(m) for m in out["messages"]]
+    out = _honoured_only(ENDPOINTS[path], out)
     if out.get("top_logprobs") and path == "/v1/chat/completions":
         out["logprobs"] = True
+    return out
+
+
+def _text_only(message: Any) -> Any:
+    """A message whose content parts are text (a part of another type is refused, as it should be)."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        parts = message["content"]
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return {**message, "content": "".join(texts) or "Hello"}
+    return message
+
+
+def _honoured_only(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    """The body less what service.api.request_fields refuses (unknown fields, refused values)."""
+
+    def kept(name: str, value: Any) -> bool:
+        row = lookup(endpoint, name)
+        return row is not None and (value is None or row.refusal(value, body) is None)
+
+    out = {}
+    for key, value in body.items():
+        if not kept(key, value):
+            continue
+        if key in ("stream_options", "nvext") and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if kept(f"{key}.{k}", v)}
+        out[key] = value
     return out
 
 

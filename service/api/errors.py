@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,16 +70,34 @@ def error_response(err: APIError) -> JSONResponse:
     )
 
 
+# pydantic's names for union branches in an error's loc, beside "list[...]" and the like
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_branch(part: object) -> bool:
+    """A union branch's name in a loc (e.g. "str", "list[str]", "ContentPart"), not a field name."""
+    return isinstance(part, str) and (
+        any(ch in part for ch in "[]") or part in _BRANCH_NAMES or part[:1].isupper()
+    )
+
+
+def _wrong_branch(error: Mapping[str, Any]) -> bool:
+    """An error saying only that the value is not of one union branch's type (a list sent where
+    the union also takes a string): never the interesting one when another branch says more."""
+    loc = error.get("loc", ())
+    return bool(loc) and _is_branch(loc[-1]) and str(error.get("type", "")).endswith("_type")
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A union's value fails every branch; the branch the value's type matches says what is wrong.
+    first = next((e for e in errors if not _wrong_branch(e)), errors[0])
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Drop pydantic's union-branch names (e.g. "str", "list[str]") so `param` is the field path.
-    param = ".".join(p for p in loc if not any(ch in p for ch in "[]") and p not in {"str", "int"}) or None
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_branch(p)) or None
     message = first["msg"].removeprefix("Value error, ")  # our validators' own words
     if first.get("type") == "missing":
         message = "field required"

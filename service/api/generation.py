@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from service.api.errors import APIError, invalid_request, service_unavailable
 from service.api.middleware import current_request_id
+from service.api.request_fields import check_content_part, check_request
 from service.api.schemas import FinishReason, PromptTokensDetails, SamplingFields, Usage
 from service.api.state import ApiLimits
 from service.engine.protocol import (
@@ -162,8 +163,15 @@ def sampling_params(
 
 
 def reject_unsupported(request: SamplingFields) -> None:
-    """Known fields this server does not implement yet: refuse rather than ignore (structured
-    output fields are read by service.api.guided, which refuses what it does not take)."""
+    """400 for any field the request sent that service.api.request_fields' table does not honour
+    on its endpoint, with that value (top-level fields, those of stream_options, nvext and
+    structured_outputs, and the types of chat messages' content parts); null is never refused.
+    Runs before anything else reads the request."""
+    check_request(request.endpoint, request)
+    for i, message in enumerate(getattr(request, "messages", None) or ()):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                check_content_part(part.type, f"messages.{i}.content.{j}")
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Structured-output fields of a request, from wherever clients put them, as one GuidedDecoding.
 
 Accepted: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `schema`; `strict`
-or not, the schema is enforced), NIM's `nvext.guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar`, and the same four at the top level as vLLM takes them. At most one may be given;
-other `guided_*` fields (vLLM's `guided_decoding_backend`, `guided_whitespace_pattern`) are refused
-rather than ignored. Whether the spec is within the limits, can be enforced, can be satisfied and
+or not, the schema is enforced), vLLM's `structured_outputs` (`json`, `regex`, `choice`,
+`grammar`, `json_object`), NIM's `nvext.guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`, and the same four at the top level as vLLM took them before 0.12. Exactly one
+constraint may be given, however many of these ways are used. Other options (a backend, a
+whitespace pattern, structural tags) are refused by service.api.request_fields before this module
+reads the request. Whether the spec is within the limits, can be enforced, can be satisfied and
 compiles is the engine's check (a 400 naming the problem; service/engine/torch/guided.py).
 Schemas keep the client's property order: it is the order the answer's keys come in.
 """
@@ -15,13 +17,17 @@ import json
 from typing import Any
 
 from service.api.errors import invalid_request
-from service.api.schemas import SamplingFields
+from service.api.schemas import SamplingFields, StructuredOutputs
 from service.engine.protocol import GuidedDecoding
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# structured_outputs' constraints, by the guided_* field each means
+STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                      "grammar": "guided_grammar"}  # fmt: skip
 
 
 def guided_decoding(body: SamplingFields) -> GuidedDecoding | None:
+    """The request's one constraint, or None; 400 when it gives several or a malformed one."""
     found: list[tuple[str, GuidedDecoding]] = []
     extras = dict(body.model_extra or {})
     response_format = getattr(body, "response_format", None) or extras.pop("response_format", None)
@@ -29,22 +35,36 @@ def guided_decoding(body: SamplingFields) -> GuidedDecoding | None:
         parsed = _response_format(response_format)
         if parsed is not None:
             found.append(("response_format", parsed))
+    if body.structured_outputs is not None:
+        found += _structured_outputs(body.structured_outputs)
     nvext_extras = dict(body.nvext.model_extra or {}) if body.nvext is not None else {}
     for prefix, fields in (("", extras), ("nvext.", nvext_extras)):
-        for key, value in fields.items():
-            if not key.startswith("guided_"):
-                continue
-            name = prefix + key
-            if key not in GUIDED_FIELDS:
-                raise invalid_request(
-                    f"{name} is not supported (the server chooses the grammar backend)", name
-                )
-            if value is not None:
-                found.append((name, _guided_field(name, key, value)))
+        for key in GUIDED_FIELDS:
+            if fields.get(key) is not None:
+                found.append((prefix + key, _guided_field(prefix + key, key, fields[key])))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise invalid_request(f"give one structured-output constraint, not several ({names})", found[1][0])
     return found[0][1] if found else None
+
+
+def _structured_outputs(spec: StructuredOutputs) -> list[tuple[str, GuidedDecoding]]:
+    values = {"json": spec.json_, "regex": spec.regex, "choice": spec.choice, "grammar": spec.grammar}
+    found = [
+        (
+            f"structured_outputs.{key}",
+            _guided_field(f"structured_outputs.{key}", STRUCTURED_OUTPUTS[key], value),
+        )
+        for key, value in values.items()
+        if value is not None
+    ]
+    if spec.json_object:
+        found.append(("structured_outputs.json_object", GuidedDecoding("json_object")))
+    if not found:
+        raise invalid_request(
+            "structured_outputs needs one of json, regex, choice, grammar, json_object", "structured_outputs"
+        )
+    return found
 
 
 def _response_format(value: Any) -> GuidedDecoding | None:

@@ -1,16 +1,19 @@
-"""OpenAI request and response bodies (the subset this service implements, validated strictly).
+"""OpenAI request and response bodies, validated strictly.
 
-Unknown fields are accepted and ignored (clients and gateways add their own, e.g. `user`,
-`metadata`); known fields this service does not implement yet are rejected with a clear 400 by
-the route, never silently ignored.
+Request models declare the fields this service reads, with their types and ranges; every other
+field a client sends is kept (extra="allow") for service.api.request_fields, the one table that
+says of each field whether it is honoured, honoured for some values, or refused with a 400 naming
+it (an unknown one is refused as OpenAI refuses it). Nothing sent is dropped unseen.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.api.request_fields import Endpoint, check_content_part
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16
@@ -21,29 +24,63 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+def _null_is_not_sent(model: type[BaseModel], data: Any) -> Any:
+    """A declared field sent as null is taken as not sent (its default applies), as OpenAI takes
+    it: `"stream": null` is no stream, not a type error."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. include_obfuscation: see request_fields
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_not_sent(cls, data)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk, not only the last
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content, of any type: which types are honoured is
+    request_fields.CONTENT_PARTS' to say (the route refuses the others naming the part), so an
+    image part is "images are not supported", not a type error."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None  # an assistant's earlier refusal (type "refusal")
+
+    @model_validator(mode="after")
+    def _has_its_text(self) -> ContentPart:
+        if self.type in ("text", "refusal") and getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type} part needs its {self.type} string")
+        return self
+
+    def as_text(self, param: str) -> str:
+        check_content_part(self.type, param)
+        return (self.text if self.type == "text" else self.refusal) or ""
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, param: str = "messages") -> str:
+        """The content's text; 400 (naming `param`.content.M) for a part that is not text."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.as_text(f"{param}.content.{j}") for j, part in enumerate(self.content))
 
 
 class NVExt(BaseModel):
@@ -57,6 +94,19 @@ class NVExt(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one constraint of the five
+    (service.api.guided); its other options are rows of request_fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Fields shared by chat and completions requests (OpenAI's, then vLLM's extras)."""
 
@@ -64,7 +114,7 @@ class SamplingFields(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
@@ -82,12 +132,22 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    structured_outputs: StructuredOutputs | None = None
     nvext: NVExt | None = None
+
+    endpoint: ClassVar[Endpoint]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_not_sent(cls, data)
 
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
         items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(items)}")
         if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
         return value
@@ -114,6 +174,8 @@ class SamplingFields(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    endpoint: ClassVar[Endpoint] = "chat"
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -130,6 +192,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    endpoint: ClassVar[Endpoint] = "completions"
+
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     echo: bool = False

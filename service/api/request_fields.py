@@ -1,0 +1,464 @@
+"""Every field a client may send to /v1/chat/completions and /v1/completions, in one table.
+
+The rule, for every field of OpenAI's two request bodies, of vLLM's extensions to them and of NIM's
+`nvext` object: it is honoured (the table names the module that honours it), or honoured for some
+values only, or refused with a 400 whose `param` names it and whose message says why in one line.
+Nothing is accepted and ignored.
+
+- A value is honoured when this server does what it asks. A value that asks for what the server
+  does anyway is honoured too: `use_beam_search: false`, `priority: 0`, `store: false`,
+  `service_tier: "default"`, `stream_options.include_obfuscation: false` (clients that serialise a
+  whole request model send such defaults); a value that asks for anything else is refused.
+- `null` means "not sent", for every optional field: never refused (`logit_bias: null`,
+  `stream_options: null` are fine). Pydantic (service.api.schemas) checks the types and ranges of
+  the fields it declares before this table is read.
+- A field the table does not list for the endpoint is refused as OpenAI refuses one:
+  `Unrecognized request argument supplied: <name>`. Objects with fields of their own
+  (`stream_options`, `nvext`, `structured_outputs`) are walked: their fields are rows here, with
+  dotted names, refused the same way when unknown.
+- Content parts of chat messages are listed by type (CONTENT_PARTS): text only; an image, audio,
+  video or file part is refused naming `messages.N.content.M`.
+
+`reject_unsupported` (service.api.generation) applies the table to each request before anything
+else is done with it; `markdown_table` renders it for the README, and the tests walk it whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from service.api.errors import APIError, invalid_request
+
+Endpoint = Literal["chat", "completions"]
+CHAT: frozenset[Endpoint] = frozenset({"chat"})
+COMPLETIONS: frozenset[Endpoint] = frozenset({"completions"})
+BOTH: frozenset[Endpoint] = CHAT | COMPLETIONS
+
+# Whether a sent (non-null) value is honoured; it sees the request's other top-level fields too.
+Accepts = Callable[[Any, Mapping[str, Any]], bool]
+
+# Where fields are honoured (module paths, for the docs).
+GENERATION = "service.api.generation"
+ROUTES = "service.api.openai_routes"
+GUIDED = "service.api.guided"
+TOOLS = "service.api.tools"
+LOGPROBS = "service.api.logprobs"
+TEMPLATE = "service.text.chat_template"
+NO_EFFECT = "nothing to do (the answer does not depend on it)"
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One request field on the endpoints it belongs to. `honoured_by` None: refused whatever its
+    value; `accepts` set: honoured only for the values it accepts (`honoured_values` says which,
+    in words), the others refused because `why`."""
+
+    name: str  # dotted for fields of an object: "stream_options.include_usage"
+    endpoints: frozenset[Endpoint]
+    origin: Literal["OpenAI", "vLLM", "NIM"]
+    honoured_by: str | None
+    why: str = ""  # why (some values are) refused; for honoured fields, an optional note
+    accepts: Accepts | None = None
+    honoured_values: str = ""
+    example: Any = None  # a value clients send: honoured (for a refused field: refused)
+    refused_example: Any = None  # for a field honoured for some values: a refused one
+
+    @property
+    def kind(self) -> Literal["honoured", "partly", "refused"]:
+        if self.honoured_by is None:
+            return "refused"
+        return "honoured" if self.accepts is None else "partly"
+
+    def refusal(self, value: Any, body: Mapping[str, Any]) -> str | None:
+        """Why `value` (sent, not null) is refused, in one line; None when it is honoured."""
+        if self.honoured_by is None:
+            return f"{self.name} is not supported by this server: {self.why}"
+        if self.accepts is not None and not self.accepts(value, body):
+            return f"{self.name} {_shown(value)} is not supported by this server: {self.why}"
+        return None
+
+
+@dataclass(frozen=True)
+class ContentPart:
+    """A chat message content part type: honoured (joined into the message's text) or refused."""
+
+    type: str
+    honoured_by: str | None
+    why: str = ""
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: true is not 1, 1 is 1.0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return bool(a == b)
+
+
+def only(*values: Any) -> Accepts:
+    """Honoured for these values (compared as JSON) and no others."""
+    return lambda value, body: any(_same(value, v) for v in values)
+
+
+def honoured(name: str, endpoints: frozenset[Endpoint], origin: Any, by: str, example: Any,
+             note: str = "") -> RequestField:  # fmt: skip
+    return RequestField(name, endpoints, origin, by, note, example=example)
+
+
+def refused(name: str, endpoints: frozenset[Endpoint], origin: Any, why: str, example: Any) -> RequestField:
+    return RequestField(name, endpoints, origin, None, why, example=example)
+
+
+def partly(name: str, endpoints: frozenset[Endpoint], origin: Any, by: str, accepts: Accepts, values: str,
+           why: str, example: Any, refused_example: Any) -> RequestField:  # fmt: skip
+    return RequestField(name, endpoints, origin, by, why, accepts, values, example, refused_example)
+
+
+def _best_of_is_n(value: Any, body: Mapping[str, Any]) -> bool:
+    return _same(value, body.get("n") if body.get("n") is not None else 1)
+
+
+def _special_tokens_skipped(value: Any, body: Mapping[str, Any]) -> bool:
+    return body.get("skip_special_tokens") is not False
+
+
+def _implicit_cache(value: Any, body: Mapping[str, Any]) -> bool:
+    return isinstance(value, dict) and value.get("mode", "implicit") == "implicit" and set(value) <= {"mode"}
+
+
+_NO_MULTIMODAL = "this model takes text only (no image, audio or video input)"
+_BACKEND = "the server chooses the grammar backend (xgrammar); leave it out"
+_NOT_STORED = "nothing is stored here (store: true is refused)"
+
+FIELDS: tuple[RequestField, ...] = (
+    # --- OpenAI: both endpoints -----------------------------------------------------------------
+    honoured("model", BOTH, "OpenAI", ROUTES, "embedded", "the served model's name or a LoRA adapter's"),
+    honoured("frequency_penalty", BOTH, "OpenAI", GENERATION, 0.5),
+    honoured("presence_penalty", BOTH, "OpenAI", GENERATION, 0.5),
+    honoured("logit_bias", BOTH, "OpenAI", GENERATION, {"42": -100}),
+    honoured("logprobs", BOTH, "OpenAI", LOGPROBS, True,
+             "chat: true/false; completions: how many alternatives"),
+    honoured("max_tokens", BOTH, "OpenAI", GENERATION, 2),
+    honoured("n", BOTH, "OpenAI", GENERATION, 2),
+    honoured("seed", BOTH, "OpenAI", GENERATION, 7),
+    honoured("stop", BOTH, "OpenAI", GENERATION, ["\n\n"], "up to 4 strings"),
+    honoured("stream", BOTH, "OpenAI", ROUTES, True),
+    honoured("stream_options", BOTH, "OpenAI", ROUTES, {"include_usage": True}),
+    honoured("stream_options.include_usage", BOTH, "OpenAI", ROUTES, True),
+    honoured("stream_options.continuous_usage_stats", BOTH, "vLLM", ROUTES, True),
+    partly("stream_options.include_obfuscation", BOTH, "OpenAI", ROUTES, only(False), "`false`",
+           "stream chunks carry no obfuscation padding here", False, True),
+    honoured("temperature", BOTH, "OpenAI", GENERATION, 0.0, "0 is greedy"),
+    honoured("top_p", BOTH, "OpenAI", GENERATION, 0.9),
+    honoured("user", BOTH, "OpenAI", NO_EFFECT, "user-1",
+             "an end-user id for the provider's abuse monitoring; this server keeps no per-user record"),
+    # --- OpenAI: chat ---------------------------------------------------------------------------
+    honoured("messages", CHAT, "OpenAI", TEMPLATE, [{"role": "user", "content": "Hi"}]),
+    honoured("max_completion_tokens", CHAT, "OpenAI", GENERATION, 2),
+    honoured("top_logprobs", CHAT, "OpenAI", LOGPROBS, 2),
+    honoured("response_format", BOTH, "OpenAI", GUIDED, {"type": "json_object"},
+             "text, json_object, json_schema; on completions as vLLM takes it"),
+    honoured("tools", CHAT, "OpenAI", TOOLS,
+             [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]),
+    honoured("tool_choice", CHAT, "OpenAI", TOOLS, "none"),
+    honoured("parallel_tool_calls", CHAT, "OpenAI", TOOLS, True),
+    honoured("reasoning_effort", CHAT, "OpenAI", TEMPLATE, "low",
+             "passed to a chat template that reads it; refused where the template does not"),
+    refused("functions", CHAT, "OpenAI", "deprecated by OpenAI: send the functions as `tools`",
+            [{"name": "get_time", "parameters": {"type": "object"}}]),
+    refused("function_call", CHAT, "OpenAI", "deprecated by OpenAI: send `tool_choice`", "auto"),
+    refused("audio", CHAT, "OpenAI", "this model does not produce audio",
+            {"voice": "alloy", "format": "wav"}),
+    partly("modalities", CHAT, "OpenAI", ROUTES, only(["text"]), '`["text"]`',
+           "this model produces text only", ["text"], ["text", "audio"]),
+    refused("prediction", CHAT, "OpenAI", "predicted outputs are not implemented",
+            {"type": "content", "content": "Hello"}),
+    honoured("metadata", CHAT, "OpenAI", NO_EFFECT, {"team": "a"},
+             "tags for a stored completion; " + _NOT_STORED),
+    partly("store", CHAT, "OpenAI", NO_EFFECT, only(False), "`false`", _NOT_STORED, False, True),
+    partly("service_tier", CHAT, "OpenAI", NO_EFFECT, only("auto", "default"), '`"auto"`, `"default"`',
+           "there is one service tier: flex, scale, priority and fast processing are not offered",
+           "default", "flex"),
+    honoured("prompt_cache_key", CHAT, "OpenAI", "service.engine.torch.block_pool", "conversation-1",
+             "a cache-routing hint; the prefix cache finds shared prefixes by their tokens without one"),
+    partly("prompt_cache_options", CHAT, "OpenAI", "service.engine.torch.block_pool", _implicit_cache,
+           '`{}`, `{"mode": "implicit"}`',
+           "the prefix cache is automatic (LRU): no explicit breakpoints, no minimum lifetime",
+           {"mode": "implicit"}, {"mode": "explicit", "ttl": "30m"}),
+    partly("prompt_cache_retention", CHAT, "OpenAI", "service.engine.torch.block_pool", only("in_memory"),
+           '`"in_memory"`', "cached prefixes live in memory, evicted least recently used: no 24h retention",
+           "in_memory", "24h"),
+    refused("moderation", CHAT, "OpenAI", "no moderation model runs here",
+            {"model": "omni-moderation-latest"}),
+    honoured("safety_identifier", CHAT, "OpenAI", NO_EFFECT, "user-1-hash",
+             "an end-user id for the provider's abuse monitoring; this server keeps no per-user record"),
+    refused("verbosity", CHAT, "OpenAI", "the model has no verbosity control", "low"),
+    refused("web_search_options", CHAT, "OpenAI", "there is no web search here", {}),
+    # --- OpenAI: completions --------------------------------------------------------------------
+    honoured("prompt", COMPLETIONS, "OpenAI", ROUTES, "Hello"),
+    honoured("echo", COMPLETIONS, "OpenAI", ROUTES, True),
+    partly("best_of", COMPLETIONS, "OpenAI", GENERATION, _best_of_is_n, "equal to `n`",
+           "choosing the best of more generations than `n` is not implemented", 1, 3),
+    partly("suffix", COMPLETIONS, "OpenAI", ROUTES, only(""), '`""`',
+           "fill-in-the-middle is not supported by this model", "", "def"),
+    # --- vLLM: both endpoints -------------------------------------------------------------------
+    partly("use_beam_search", BOTH, "vLLM", GENERATION, only(False), "`false`",
+           "beam search is not implemented", False, True),
+    honoured("top_k", BOTH, "vLLM", GENERATION, 1),
+    honoured("min_p", BOTH, "vLLM", GENERATION, 0.05),
+    honoured("repetition_penalty", BOTH, "vLLM", GENERATION, 1.1),
+    partly("watermarking", BOTH, "vLLM", GENERATION, only(False), "`false`",
+           "watermarking is not implemented", False, True),
+    partly("length_penalty", BOTH, "vLLM", GENERATION, only(1.0), "`1.0`",
+           "it weighs beam search, which is not implemented", 1.0, 0.5),
+    honoured("stop_token_ids", BOTH, "vLLM", GENERATION, [2]),
+    honoured("include_stop_str_in_output", BOTH, "vLLM", GENERATION, True),
+    honoured("ignore_eos", BOTH, "vLLM", GENERATION, True),
+    honoured("min_tokens", BOTH, "vLLM", GENERATION, 1),
+    honoured("skip_special_tokens", BOTH, "vLLM", GENERATION, False),
+    partly("spaces_between_special_tokens", BOTH, "vLLM", GENERATION, _special_tokens_skipped,
+           "while special tokens are skipped (the default)",
+           "special tokens are decoded as the tokenizer writes them; leave it out", True, True),
+    refused("truncate_prompt_tokens", BOTH, "vLLM",
+            "prompts are never truncated: one too long for the context is a 400", 8),
+    refused("truncation_side", BOTH, "vLLM", "prompts are never truncated", "left"),
+    honoured("prompt_logprobs", BOTH, "vLLM", ROUTES, 1),
+    refused("logprob_token_ids", BOTH, "vLLM",
+            "logprobs of chosen token ids are not implemented; use logprobs", [42]),
+    refused("allowed_token_ids", BOTH, "vLLM", "restricting sampling to given token ids is not implemented",
+            [42]),
+    partly("bad_words", BOTH, "vLLM", GENERATION, only([]), "`[]`", "bad-word lists are not implemented",
+           [], ["bad"]),
+    honoured("structured_outputs", BOTH, "vLLM", GUIDED, {"choice": ["yes", "no"]},
+             "exactly one of json, regex, choice, grammar, json_object"),
+    honoured("structured_outputs.json", BOTH, "vLLM", GUIDED, {"type": "object"}),
+    honoured("structured_outputs.regex", BOTH, "vLLM", GUIDED, "[0-9]{3}"),
+    honoured("structured_outputs.choice", BOTH, "vLLM", GUIDED, ["yes", "no"]),
+    honoured("structured_outputs.grammar", BOTH, "vLLM", GUIDED, 'root ::= "yes" | "no"'),
+    partly("structured_outputs.json_object", BOTH, "vLLM", GUIDED, only(True), "`true`",
+           "false asks for no constraint: leave structured_outputs out", True, False),
+    partly("structured_outputs.disable_any_whitespace", BOTH, "vLLM", GUIDED, only(False), "`false`",
+           "the JSON grammar's whitespace is fixed", False, True),
+    partly("structured_outputs.disable_additional_properties", BOTH, "vLLM", GUIDED, only(False), "`false`",
+           "schemas are enforced as written: set additionalProperties in the schema", False, True),
+    refused("structured_outputs.whitespace_pattern", BOTH, "vLLM", "the JSON grammar's whitespace is fixed",
+            "[ ]?"),
+    refused("structured_outputs.structural_tag", BOTH, "vLLM", "structural tags are not implemented", "{}"),
+    refused("structured_outputs.backend", BOTH, "vLLM", _BACKEND, "outlines"),
+    honoured("structured_outputs.disable_fallback", BOTH, "vLLM", GUIDED, True,
+             "xgrammar is the only backend: there is nothing to fall back to"),
+    partly("priority", BOTH, "vLLM", ROUTES, only(0), "`0`",
+           "one queue, first come first served: priority scheduling is not offered", 0, 5),
+    refused("request_id", BOTH, "vLLM",
+            "send it as the x-request-id header, which names the response and the logs", "req-1"),
+    honoured("session_id", BOTH, "vLLM", NO_EFFECT, "session-1",
+             "a session identity for routing gateways; one server keeps no sessions"),
+    partly("return_tokens_as_token_ids", BOTH, "vLLM", LOGPROBS, only(False), "`false`",
+           "logprob tokens are always their text", False, True),
+    partly("return_token_ids", BOTH, "vLLM", ROUTES, only(False), "`false`",
+           "responses carry no token ids", False, True),
+    partly("return_token_offsets", BOTH, "vLLM", ROUTES, only(False), "`false`",
+           "responses carry no token offsets", False, True),
+    partly("return_prompt_text", BOTH, "vLLM", ROUTES, only(False), "`false`",
+           "responses carry no prompt text", False, True),
+    partly("return_mm_kwargs", BOTH, "vLLM", ROUTES, only(True), "`true`", _NO_MULTIMODAL, True, False),
+    partly("routed_experts_prompt_start", BOTH, "vLLM", ROUTES, only(0), "`0`",
+           "responses carry no routed-expert data", 0, 4),
+    refused("cache_salt", BOTH, "vLLM",
+            "per-request cache salts are not taken (the prefix cache is salted per LoRA adapter)", "s" * 43),
+    refused("kv_transfer_params", BOTH, "vLLM", "disaggregated serving is not implemented", {}),
+    refused("ec_transfer_params", BOTH, "vLLM", "disaggregated serving is not implemented", {}),
+    refused("vllm_xargs", BOTH, "vLLM", "no extension here reads them", {"a": 1}),
+    refused("repetition_detection", BOTH, "vLLM", "repetition detection is not implemented",
+            {"max_pattern_size": 4, "min_count": 3}),
+    partly("stream_interval", BOTH, "vLLM", ROUTES, only(1), "`1`",
+           "tokens are streamed as each step makes them", 1, 4),
+    refused("thinking_token_budget", BOTH, "vLLM", "thinking budget control is not implemented", 64),
+    refused("logits_processors", BOTH, "vLLM", "logits processors are never loaded from a request",
+            ["my.module:Processor"]),
+    honoured("guided_json", BOTH, "vLLM", GUIDED, {"type": "object"},
+             "vLLM before 0.12; structured_outputs now"),
+    honoured("guided_regex", BOTH, "vLLM", GUIDED, "[0-9]{3}"),
+    honoured("guided_choice", BOTH, "vLLM", GUIDED, ["yes", "no"]),
+    honoured("guided_grammar", BOTH, "vLLM", GUIDED, 'root ::= "yes" | "no"'),
+    refused("guided_decoding_backend", BOTH, "vLLM", _BACKEND, "outlines"),
+    refused("guided_whitespace_pattern", BOTH, "vLLM", "the JSON grammar's whitespace is fixed", "[ ]?"),
+    # --- vLLM: chat -----------------------------------------------------------------------------
+    partly("echo", CHAT, "vLLM", ROUTES, only(False), "`false`",
+           "echoing the last message into the answer is not implemented", False, True),
+    partly("add_generation_prompt", CHAT, "vLLM", TEMPLATE, only(True), "`true`",
+           "the prompt always ends by opening the assistant's turn", True, False),
+    partly("continue_final_message", CHAT, "vLLM", TEMPLATE, only(False), "`false`",
+           "continuing the final message (prefill) is not implemented", False, True),
+    partly("add_special_tokens", CHAT, "vLLM", TEMPLATE, only(False), "`false`",
+           "the chat template writes the special tokens", False, True),
+    refused("documents", CHAT, "vLLM", "the chat template gets no documents here",
+            [{"title": "a", "text": "b"}]),
+    honoured("chat_template", CHAT, "vLLM", TEMPLATE, "{% for m in messages %}{{ m.content }}{% endfor %}",
+             "only with NIM_TRUST_REQUEST_CHAT_TEMPLATE=1"),
+    honoured("chat_template_kwargs", CHAT, "vLLM", TEMPLATE, {"enable_thinking": False}),
+    refused("media_io_kwargs", CHAT, "vLLM", _NO_MULTIMODAL, {"image": {}}),
+    refused("mm_processor_kwargs", CHAT, "vLLM", _NO_MULTIMODAL, {"num_crops": 4}),
+    partly("include_reasoning", CHAT, "vLLM", ROUTES, only(True), "`true`",
+           "a reasoning model's reasoning is always returned", True, False),
+    # --- vLLM: completions ----------------------------------------------------------------------
+    partly("add_special_tokens", COMPLETIONS, "vLLM", ROUTES, only(True), "`true`",
+           "a prompt is always tokenized with the tokenizer's special tokens", True, False),
+    refused("prompt_embeds", COMPLETIONS, "vLLM",
+            "prompt embeddings are not accepted: send text or token ids", "AAAA"),
+    # --- NIM: nvext -----------------------------------------------------------------------------
+    honoured("nvext", BOTH, "NIM", GENERATION, {"top_k": 1}),
+    honoured("nvext.top_k", BOTH, "NIM", GENERATION, 1),
+    honoured("nvext.repetition_penalty", BOTH, "NIM", GENERATION, 1.1),
+    honoured("nvext.ignore_eos", BOTH, "NIM", GENERATION, True),
+    honoured("nvext.min_tokens", BOTH, "NIM", GENERATION, 1),
+    honoured("nvext.guided_json", BOTH, "NIM", GUIDED, {"type": "object"}),
+    honoured("nvext.guided_regex", BOTH, "NIM", GUIDED, "[0-9]{3}"),
+    honoured("nvext.guided_choice", BOTH, "NIM", GUIDED, ["yes", "no"]),
+    honoured("nvext.guided_grammar", BOTH, "NIM", GUIDED, 'root ::= "yes" | "no"'),
+    refused("nvext.guided_decoding_backend", BOTH, "NIM", _BACKEND, "outlines"),
+    refused("nvext.guided_whitespace_pattern", BOTH, "NIM", "the JSON grammar's whitespace is fixed", "[ ]?"),
+    refused("nvext.max_thinking_tokens", BOTH, "NIM", "thinking budget control is not implemented", 64),
+)  # fmt: skip
+
+CONTENT_PARTS: tuple[ContentPart, ...] = (
+    ContentPart("text", TEMPLATE),
+    ContentPart("refusal", TEMPLATE, "an earlier assistant refusal, read as its text"),
+    ContentPart("image_url", None, "images are not supported by this model"),
+    ContentPart("image_embeds", None, "images are not supported by this model"),
+    ContentPart("input_audio", None, "audio is not supported by this model"),
+    ContentPart("audio_url", None, "audio is not supported by this model"),
+    ContentPart("video_url", None, "video is not supported by this model"),
+    ContentPart("file", None, "files are not supported by this model"),
+)
+
+_BY_NAME: dict[tuple[Endpoint, str], RequestField] = {
+    (endpoint, f.name): f for f in FIELDS for endpoint in f.endpoints
+}
+_PARTS = {p.type: p for p in CONTENT_PARTS}
+
+
+def fields_for(endpoint: Endpoint) -> list[RequestField]:
+    return [f for f in FIELDS if endpoint in f.endpoints]
+
+
+def lookup(endpoint: Endpoint, name: str) -> RequestField | None:
+    return _BY_NAME.get((endpoint, name))
+
+
+def unrecognized(name: str) -> APIError:
+    return invalid_request(f"Unrecognized request argument supplied: {name}", name)
+
+
+def check_request(endpoint: Endpoint, request: BaseModel) -> None:
+    """400 for the first sent field (null ones are not sent) the table refuses or does not list
+    for `endpoint`; objects with rows of their own (stream_options, nvext, structured_outputs) are
+    walked field by field."""
+    fields = sent_fields(request)
+    _check(endpoint, fields, {key: _plain(value) for key, value in fields.items()}, "")
+
+
+def sent_fields(model: BaseModel) -> dict[str, Any]:
+    """The fields a client sent in an object: declared ones (in declared order), then the others."""
+    declared = {
+        info.alias or name: getattr(model, name)
+        for name, info in type(model).model_fields.items()
+        if name in model.model_fields_set
+    }
+    return {**declared, **(model.model_extra or {})}
+
+
+def _check(endpoint: Endpoint, fields: Mapping[str, Any], body: Mapping[str, Any], prefix: str) -> None:
+    for key, value in fields.items():
+        if value is None:
+            continue
+        name = prefix + key
+        row = lookup(endpoint, name)
+        if row is None:
+            raise unrecognized(name)
+        why = row.refusal(_plain(value), body)
+        if why is not None:
+            raise invalid_request(why, name)
+        if _has_rows(endpoint, name):
+            inner = sent_fields(value) if isinstance(value, BaseModel) else value
+            if isinstance(inner, Mapping):
+                _check(endpoint, inner, body, name + ".")
+
+
+def _plain(value: Any) -> Any:
+    """A pydantic object as the JSON it came from (for the value checks and messages)."""
+    return value.model_dump(exclude_unset=True, by_alias=True) if isinstance(value, BaseModel) else value
+
+
+def _has_rows(endpoint: Endpoint, name: str) -> bool:
+    """Whether `name` is an object whose fields are rows of their own."""
+    return any(key[0] == endpoint and key[1].startswith(name + ".") for key in _BY_NAME)
+
+
+def check_content_part(part_type: str, param: str) -> None:
+    """400 for a content part this model cannot take, naming `messages.N.content.M`."""
+    part = _PARTS.get(part_type)
+    if part is None:
+        known = ", ".join(p.type for p in CONTENT_PARTS if p.honoured_by is not None)
+        raise invalid_request(f"content part type {_shown(part_type)} is not supported (only {known})", param)
+    if part.honoured_by is None:
+        raise invalid_request(part.why, param)
+
+
+def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
+    for row in FIELDS:
+        for endpoint in sorted(row.endpoints):
+            yield endpoint, row
+
+
+# --- The README's table ----------------------------------------------------------------------------
+
+_ENDPOINT_NAMES = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions"}
+
+
+def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
+    """The table as README.md shows it, between `<!-- request-fields:start -->` and
+    `<!-- request-fields:end -->` (a test holds the two together)."""
+    lines = [
+        "| field | endpoints | from | honoured | by / why |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        where = _ENDPOINT_NAMES[row.endpoints]
+        lines.append(f"| `{row.name}` | {where} | {row.origin} | {_status(row)} | {_reason(row)} |")
+    lines += ["", "| content part type | honoured | by / why |", "|---|---|---|"]
+    for part in CONTENT_PARTS:
+        status = "yes" if part.honoured_by is not None else "refused"
+        reason = (
+            part.why
+            if part.honoured_by is None
+            else f"{part.honoured_by}" + (f"; {part.why}" if part.why else "")
+        )
+        lines.append(f"| `{part.type}` | {status} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def _status(row: RequestField) -> str:
+    if row.kind == "refused":
+        return "refused"
+    if row.kind == "partly":
+        return f"only {row.honoured_values}"
+    return "yes"
+
+
+def _reason(row: RequestField) -> str:
+    if row.kind == "refused":
+        return row.why
+    where = row.honoured_by or ""
+    if row.kind == "partly":
+        return f"{where}; {row.why}"
+    return where + (f"; {row.why}" if row.why else "")
