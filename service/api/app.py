@@ -104,6 +104,11 @@ async def _bring_up(state: ServiceState, bring_up: BringUp, on_fatal: FatalHandl
 
     try:
         ready = await bring_up(state.metrics, engine_died)
+        try:
+            state.resolve_reasoning(ready)  # decided and logged once; a bad setting stops the start
+        except Exception:
+            await ready.engine.stop()
+            raise
     except asyncio.CancelledError:
         raise
     except Exception as exc:
