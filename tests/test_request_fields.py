@@ -361,6 +361,55 @@ def test_text_and_refusal_parts_are_read(client: openai.OpenAI) -> None:
     assert reply.usage is not None and reply.usage.prompt_tokens > 10
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("colour", "blue", "Unrecognized request argument supplied: messages.1.colour"),
+        ("function_call", {"name": "f", "arguments": "{}"}, "deprecated by OpenAI"),
+        ("audio", {"id": "audio-1"}, "audio is not supported"),
+    ],
+)
+def test_a_message_field_the_template_does_not_get_is_refused(
+    http: httpx.Client, field: str, value: Any, message: str
+) -> None:
+    body = {
+        **base_body("chat"),
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", field: value},
+            {"role": "user", "content": "Again"},
+        ],
+    }
+    response = post(http, "chat", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == f"messages.1.{field}", error
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "refusal"])
+def test_an_assistant_messages_thinking_and_refusal_reach_the_template(
+    http: httpx.Client, field: str
+) -> None:
+    """Shown by a request template that prints each message's content and reasoning_content: the
+    prompt grows by the words the field carries (a refusal stands in for missing content)."""
+    template = "{% for m in messages %}{{ m.content }} {{ m.reasoning_content or '' }} {% endfor %}"
+
+    def prompt_tokens(extra: dict[str, Any]) -> int:
+        assistant = {"role": "assistant", "content": "" if field == "refusal" else "Hello", **extra}
+        body = {
+            **base_body("chat"),
+            "chat_template": template,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hi"}, assistant, {"role": "user", "content": "Go"}],
+        }
+        response = post(http, "chat", body)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    words = " ".join(["thinking"] * 12)
+    assert prompt_tokens({field: words}) >= prompt_tokens({}) + 10  # about a token a word
+
+
 # --- README ----------------------------------------------------------------------------------------
 
 START, END = "<!-- request-fields:start -->", "<!-- request-fields:end -->"

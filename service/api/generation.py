@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from service.api.errors import APIError, invalid_request, service_unavailable
 from service.api.middleware import current_request_id
-from service.api.request_fields import check_content_part, check_request
+from service.api.request_fields import check_content_part, check_message_fields, check_request, sent_fields
 from service.api.schemas import FinishReason, PromptTokensDetails, SamplingFields, Usage
 from service.api.state import ApiLimits
 from service.engine.protocol import (
@@ -169,6 +169,7 @@ def reject_unsupported(request: SamplingFields) -> None:
     Runs before anything else reads the request."""
     check_request(request.endpoint, request)
     for i, message in enumerate(getattr(request, "messages", None) or ()):
+        check_message_fields(sent_fields(message), f"messages.{i}")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 check_content_part(part.type, f"messages.{i}.content.{j}")

@@ -136,9 +136,16 @@ def _chat_prompt(
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as chat templates take it: tool calls (arguments as objects) and tool results too."""
     extra = message.model_extra or {}
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    content = message.text(f"messages.{index}")
+    refusal = extra.get("refusal")
+    if not content and message.role == "assistant" and isinstance(refusal, str):
+        content = refusal  # an earlier refusal is what the assistant said
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.name:
         out["name"] = message.name
+    reasoning = extra.get("reasoning_content", extra.get("reasoning"))
+    if message.role == "assistant" and isinstance(reasoning, str):
+        out["reasoning_content"] = reasoning  # templates that show earlier thinking read it
     if message.role == "tool" and extra.get("tool_call_id"):
         out["tool_call_id"] = extra["tool_call_id"]
     calls = extra.get("tool_calls")
@@ -227,7 +234,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     guided = guided_decoding(body)
     if tools is not None and tools.forced:
         if guided is not None:
-            raise invalid_request("tool_choice required or named cannot be combined with response_format",
+            raise invalid_request("tool_choice required or named cannot be combined with a structured-output "
+                                  "constraint (response_format, structured_outputs, guided_*)",
                                   "tool_choice")  # fmt: skip
         guided = tools.guided()
     if body.top_logprobs and not body.logprobs:
@@ -505,11 +513,7 @@ def _running_usage(num_prompt: int, completion_tokens: int) -> Usage:
 @router.post("/completions", response_model=CompletionResponse)
 async def completions(body: CompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
-    reject_unsupported(body)
-    if body.suffix:
-        raise invalid_request("suffix is not supported by this model", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise invalid_request("best_of other than n is not supported by this server yet", "best_of")
+    reject_unsupported(body)  # suffix and best_of other than n included
 
     state = _state(request)
     max_model_len = ready.info.max_model_len
@@ -757,7 +761,7 @@ def _tokens(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
     """What /tokenize counts (slow for long texts: run it off the event loop)."""
     if body.messages is None:
         return tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.role, "content": m.text(f"messages.{i}")} for i, m in enumerate(body.messages)]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
     except ChatTemplateError as exc:

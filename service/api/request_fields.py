@@ -17,7 +17,8 @@ Nothing is accepted and ignored.
   (`stream_options`, `nvext`, `structured_outputs`) are walked: their fields are rows here, with
   dotted names, refused the same way when unknown.
 - Content parts of chat messages are listed by type (CONTENT_PARTS): text only; an image, audio,
-  video or file part is refused naming `messages.N.content.M`.
+  video or file part is refused naming `messages.N.content.M`. A message's own fields are listed in
+  MESSAGE_FIELDS: each is passed on to the chat template or refused naming `messages.N.<field>`.
 
 `reject_unsupported` (service.api.generation) applies the table to each request before anything
 else is done with it; `markdown_table` renders it for the README, and the tests walk it whole.
@@ -341,6 +342,19 @@ CONTENT_PARTS: tuple[ContentPart, ...] = (
     ContentPart("file", None, "files are not supported by this model"),
 )
 
+# The fields of one chat message beyond `role` and `content`: None where the template gets them
+# (service.api.openai_routes passes each on), else why they are refused.
+MESSAGE_FIELDS: dict[str, str | None] = {
+    "name": None,
+    "tool_calls": None,  # an assistant's calls, arguments parsed to objects
+    "tool_call_id": None,  # a tool result's call
+    "reasoning_content": None,  # an assistant's earlier thinking (vLLM), as reasoning templates read it
+    "reasoning": None,  # the same, under vLLM's newer name
+    "refusal": None,  # an assistant's earlier refusal, its text when there is no content
+    "function_call": "deprecated by OpenAI: send the call as tool_calls",
+    "audio": "audio is not supported by this model",
+}
+
 _BY_NAME: dict[tuple[Endpoint, str], RequestField] = {
     (endpoint, f.name): f for f in FIELDS for endpoint in f.endpoints
 }
@@ -402,6 +416,18 @@ def _plain(value: Any) -> Any:
 def _has_rows(endpoint: Endpoint, name: str) -> bool:
     """Whether `name` is an object whose fields are rows of their own."""
     return any(key[0] == endpoint and key[1].startswith(name + ".") for key in _BY_NAME)
+
+
+def check_message_fields(sent: Mapping[str, Any], param: str) -> None:
+    """400 for a field of one chat message (`param`: messages.N) that is not carried to the template."""
+    for name, value in sent.items():
+        if value is None or name in ("role", "content"):
+            continue
+        if name not in MESSAGE_FIELDS:
+            raise unrecognized(f"{param}.{name}")
+        why = MESSAGE_FIELDS[name]
+        if why is not None:
+            raise invalid_request(f"{param}.{name} is not supported by this server: {why}", f"{param}.{name}")
 
 
 def check_content_part(part_type: str, param: str) -> None:
