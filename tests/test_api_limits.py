@@ -19,6 +19,13 @@ from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_read
 LONG = {"model": EMBEDDED_NAME, "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
 
+# ChatML as the embedded model writes it, less its default system turn and without any tools.
+CHATML_WITHOUT_TOOLS = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     env = {
@@ -28,7 +35,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         "NIM_MAX_PENDING_REQUESTS": "2",
         "NIM_REQUEST_TIMEOUT_SECONDS": "3.0",  # 1 s: too short for two tokens on a loaded 2-core machine
         "NIM_ALWAYS_INCLUDE_USAGE": "1",
-        "NIM_TOOL_CALL_PARSER": "hermes",  # the embedded model's chat template renders no tools
+        "NIM_TOOL_CALL_PARSER": "hermes",
+        "NIM_CHAT_TEMPLATE": CHATML_WITHOUT_TOOLS,  # instead of the embedded model's tool_use template
     }
     server = start_server(tmp_path_factory.mktemp("limited") / "log", env=env)
     try:
