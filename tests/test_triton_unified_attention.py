@@ -1,0 +1,321 @@
+"""The unified paged attention kernel (prefill chunks and decodes in one launch) against dense
+attention written out here, under TRITON_INTERPRET=1 where no GPU is present (tests/conftest.py
+switches it on before the kernel module is imported) and natively on one.
+
+Every step is built the way the engine would: a pool whose blocks are handed out in random order
+(block tables are not contiguous), rows of the tables padded with the scratch block, the step's
+own keys and values already in the pool. Every slot outside the sequences' contexts holds NaN, so
+a key read past a context, or from a padding sequence's table, shows up in the output.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from service.engine.torch.kv_pool import KVCacheSpec, KVPool
+from service.engine.torch.triton_attention import paged_decode_attention
+from service.engine.torch.triton_unified_attention import (
+    grid_blocks,
+    grid_slack,
+    launch_shape,
+    paged_unified_attention,
+)
+from service.engine.triton_support import available as triton_available
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton (pip install triton)")
+
+# (cached tokens, queries) per sequence: decodes at block edges, prefill chunks after cached context
+# (one crossing a block edge, one a whole tile), a one-token prompt, a fresh prompt, and padding
+# sequences (0, 0) in the middle and at the end.
+MIXED = [(40, 1), (15, 1), (16, 9), (0, 0), (0, 1), (5, 27), (0, 19), (33, 1), (0, 0)]
+
+
+@dataclass(frozen=True)
+class Step:
+    pool: KVPool
+    q: torch.Tensor  # [T, Hq, D], padding tokens at the end
+    tables: torch.Tensor  # [S, W]
+    query_start_loc: torch.Tensor  # [S + 1]
+    seq_lens: torch.Tensor  # [S]
+    query_lens: list[int]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    def scales(self) -> torch.Tensor | None:
+        return self.pool.scales[0] if self.pool.scales is not None else None
+
+    def attend(self, window: int | None = None, **kwargs: int) -> torch.Tensor:
+        return _attend(self.pool, self.q, self.tables, self.query_start_loc, self.seq_lens, window, **kwargs)
+
+
+def _attend(
+    pool: KVPool,
+    q: torch.Tensor,
+    tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None = None,
+    **kwargs: int,
+) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    return paged_unified_attention(
+        q,
+        pool.data[0],
+        pool.scales[0] if pool.scales is not None else None,
+        pool.spec.cache_dtype,
+        tables,
+        query_start_loc,
+        seq_lens,
+        1 / math.sqrt(q.shape[-1]),
+        max_query_len=max(1, max_query_len),
+        window=window,
+        out=out,
+        **kwargs,
+    )
+
+
+def _step(
+    cache_dtype: str,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seqs: list[tuple[int, int]],
+    pad_tokens: int = 0,
+    seed: int = 0,
+) -> Step:
+    generator = torch.Generator().manual_seed(seed)
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, cache_dtype, dtype)  # type: ignore[arg-type]
+    counts = [math.ceil((cached + n) / block_size) for cached, n in seqs]
+    pool = KVPool(spec, sum(counts) + 3, DEVICE)
+    slots = pool.num_blocks * block_size
+    k, v = (torch.randn(slots, kv_heads, head_dim, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    pool.write(0, torch.arange(slots, device=DEVICE), k, v)
+
+    free = list(range(pool.scratch_block))
+    random.Random(seed).shuffle(free)
+    width = max(counts) + 1
+    used = torch.zeros(slots, dtype=torch.bool)
+    tables = []
+    for (cached, n), count in zip(seqs, counts, strict=True):
+        table = [free.pop() for _ in range(count)]
+        for p in range(cached + n):
+            used[table[p // block_size] * block_size + p % block_size] = True
+        tables.append(table + [pool.scratch_block] * (width - count))
+    _poison(pool, ~used)
+
+    query_lens = [n for _, n in seqs]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1] + pad_tokens, heads, head_dim, generator=generator).to(DEVICE, dtype)
+    return Step(
+        pool=pool,
+        q=q,
+        tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([cached + n for cached, n in seqs], dtype=torch.int32, device=DEVICE),
+        query_lens=query_lens,
+    )
+
+
+def _poison(pool: KVPool, unused: torch.Tensor) -> None:
+    """NaN in every slot outside a context: as values, or as scales for a quantized cache."""
+    heads = pool.spec.num_kv_heads
+    index = unused.nonzero().squeeze(1).to(DEVICE)
+    if pool.scales is not None:
+        pool.scales[0].view(2, heads, -1)[:, :, index] = float("nan")
+    else:
+        pool.data[0].view(2, heads, -1, pool.spec.head_dim)[:, :, index] = float("nan")
+
+
+def _dense(step: Step, window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v per sequence in float32 over the pool as stored (dequantized),
+    causal (and windowed) by absolute position; padding rows are zeros."""
+    pool, q = step.pool, step.q
+    kv_heads, block_size = pool.spec.num_kv_heads, pool.spec.block_size
+    out = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+    for s, num_query in enumerate(step.query_lens):
+        if num_query == 0:
+            continue
+        length = int(step.seq_lens[s])
+        start = int(step.query_start_loc[s])
+        blocks = step.tables[s, : math.ceil(length / block_size)].long()
+        keys, values = pool.gather(0, pool.head_block_ids(blocks), torch.float32)  # [Hkv, L, D]
+        keys, values = keys[:, :length], values[:, :length]
+        queries = q[start : start + num_query].float().view(num_query, kv_heads, -1, q.shape[-1])
+        scores = torch.einsum("qhgd,hkd->qhgk", queries, keys) / math.sqrt(q.shape[-1])
+        query_pos = torch.arange(length - num_query, length, device=DEVICE)[:, None]
+        key_pos = torch.arange(length, device=DEVICE)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        attended = torch.einsum("qhgk,hkd->qhgd", scores.softmax(-1), values)
+        out[start : start + num_query] = attended.reshape(num_query, *q.shape[1:])
+    return out
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    assert not got.isnan().any()
+    assert (got.float() - want).abs().max() <= tolerance * max(1.0, float(want.abs().max()))
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype", "tolerance", "heads", "kv_heads", "head_dim", "block_size", "window"),
+    [
+        ("auto", torch.float32, 1e-5, 4, 4, 64, 16, None),  # group 1
+        ("auto", torch.bfloat16, 2e-2, 8, 2, 128, 32, None),  # group 4
+        ("auto", torch.float32, 1e-5, 8, 1, 64, 32, 20),  # group 8, windowed
+        ("int8", torch.bfloat16, 2e-2, 8, 2, 64, 16, 7),  # windowed within a block
+        ("int8", torch.float32, 1e-5, 8, 1, 128, 32, None),
+        ("fp8", torch.bfloat16, 2e-2, 8, 2, 64, 32, None),
+        ("fp8", torch.float32, 1e-5, 4, 4, 128, 16, 33),  # a window across tiles
+        ("auto", torch.float32, 1e-5, 6, 2, 80, 16, None),  # group 3, head size not a power of two
+    ],
+)
+def test_mixed_step_matches_dense_attention(
+    cache_dtype: str,
+    dtype: torch.dtype,
+    tolerance: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+) -> None:
+    step = _step(cache_dtype, dtype, heads, kv_heads, head_dim, block_size, MIXED, pad_tokens=3)
+    got = step.attend(window)
+    assert got.dtype == dtype and got.shape == step.q.shape
+    _assert_close(got, _dense(step, window), tolerance)
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))  # token padding: zeros
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [1, 2, 17, 1000])
+def test_window_edges(window: int) -> None:
+    """A window of one (a query sees itself), windows inside and across blocks, and one wider
+    than any context (the same as none)."""
+    step = _step("auto", torch.float32, 4, 2, 64, 16, [(30, 1), (9, 24), (0, 12)], seed=window)
+    _assert_close(step.attend(window), _dense(step, window), 1e-5)
+    if window == 1000:
+        assert torch.equal(step.attend(window), step.attend(None))
+
+
+@needs_triton
+@pytest.mark.parametrize("block_q", [1, 4, 32])
+def test_any_query_block_gives_the_same_attention(block_q: int) -> None:
+    """Query blocks smaller and larger than the chunks (one query per program, several blocks per
+    chunk, a block holding a whole chunk) all agree with the dense reference."""
+    step = _step("auto", torch.float32, 8, 2, 64, 16, MIXED, pad_tokens=5, seed=block_q)
+    got = step.attend(None, block_q=block_q, tile=16)
+    _assert_close(got, _dense(step), 1e-5)
+    assert torch.equal(got[-5:], torch.zeros_like(got[-5:]))
+
+
+@needs_triton
+@pytest.mark.parametrize(("cache_dtype", "window"), [("auto", None), ("int8", 20), ("fp8", None)])
+def test_decode_only_step_agrees_with_the_decode_kernel(cache_dtype: str, window: int | None) -> None:
+    step = _step(cache_dtype, torch.float32, 8, 2, 64, 16, [(c, 1) for c in (0, 14, 15, 31, 70)], seed=3)
+    got = step.attend(window)
+    want = paged_decode_attention(
+        step.q,
+        step.pool.data[0],
+        step.scales(),
+        cache_dtype,
+        step.tables,
+        step.seq_lens,
+        1 / math.sqrt(step.q.shape[-1]),
+        window=window,
+    )
+    _assert_close(got, want.float(), 1e-5)
+
+
+@needs_triton
+def test_a_row_does_not_depend_on_what_shares_its_step() -> None:
+    """With the launch shape pinned, a query's output is bitwise the same whether its prompt is
+    prefilled in one chunk or two, alone or beside other sequences, with or without padding."""
+    cached, prompt, split = 7, 40, 13  # the second chunk's queries start mid-block
+    step = _step(
+        "auto", torch.float32, 8, 2, 64, 16, [(cached, prompt), (3, 1), (0, 0), (20, 13)], pad_tokens=4
+    )
+    shape = {"block_q": 8, "tile": 32}
+    beside = step.attend(None, **shape)
+
+    def one_int(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    length = one_int([cached + prompt])
+    whole = _attend(step.pool, step.q[:prompt], step.tables[:1], one_int([0, prompt]), length, **shape)
+    assert torch.equal(beside[:prompt], whole)
+    # The last chunk only, beside a decode (sequence 1), two padding tokens after them.
+    queries = torch.cat([step.q[split : prompt + 1], step.q[-2:]])
+    chunked = _attend(
+        step.pool,
+        queries,
+        step.tables[:2],
+        one_int([0, prompt - split, prompt - split + 1]),
+        one_int([cached + prompt, 4]),
+        **shape,
+    )
+    assert torch.equal(chunked[: prompt - split], whole[split:])
+    assert torch.equal(chunked[prompt - split], beside[prompt])
+
+
+def test_the_grid_covers_every_query_block() -> None:
+    """Sequence s's blocks (aligned to multiples of block_q in absolute positions) are numbered
+    from query_start_loc[s] // block_q + slack * s and never reach the next sequence's, and
+    grid_blocks holds them all, for any split of T tokens and any cached lengths."""
+    rng = random.Random(0)
+    for _ in range(500):
+        block_q = rng.choice([1, 2, 4, 8, 16, 64])
+        lens = [rng.choice([0, 1, 1, 2, 7, 16, 33, 64, 100]) for _ in range(rng.randint(1, 12))]
+        cached = [rng.randint(0, 200) for _ in lens]
+        starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+        total = starts[-1] + rng.randint(0, 20)  # token padding
+        firsts = [start // block_q + grid_slack(block_q) * s for s, start in enumerate(starts)]
+        for s, (n, c) in enumerate(zip(lens, cached, strict=True)):
+            touched = (c + n - 1) // block_q - c // block_q + 1 if n else 0
+            assert firsts[s] + touched <= (
+                firsts[s + 1] if s + 1 < len(lens) else grid_blocks(total, len(lens), block_q)
+            )
+
+
+def test_launch_shapes_fill_a_dot() -> None:
+    assert launch_shape(1, 4) == (1, 16)  # decodes: one query per block
+    assert launch_shape(1, 32) == (1, 32)
+    assert launch_shape(500, 1) == (64, 64)
+    assert launch_shape(500, 4) == (16, 64)
+    assert launch_shape(500, 3) == (16, 64)  # group padded to 4
+    assert launch_shape(3, 8) == (4, 32)
+    assert launch_shape(500, 8, block_q=2) == (2, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        launch_shape(10, 4, block_q=3)
+
+
+@needs_triton
+def test_bad_arguments_are_refused() -> None:
+    step = _step("int8", torch.float32, 4, 2, 64, 16, [(3, 2)])
+    with pytest.raises(ValueError, match="window 0"):
+        step.attend(0)
+    with pytest.raises(ValueError, match="needs its scales"):
+        paged_unified_attention(
+            step.q, step.pool.data[0], None, "int8", step.tables, step.query_start_loc, step.seq_lens, 0.1,
+            max_query_len=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_unified_attention(
+            step.q, step.pool.data[0], step.scales(), "int8", step.tables, step.seq_lens, step.seq_lens, 0.1,
+            max_query_len=2,
+        )  # fmt: skip
