@@ -1,0 +1,414 @@
+"""The engine core in its own process (service.engine.process) on the embedded model: the same greedy
+tokens as the engine in process, streamed deltas, aborts that reach the engine, stats that move,
+refusals from the engine's check, outputs batched per step, and the ends: the engine process
+killed mid-generation (requests fail, readiness fails, on_fatal fires, nothing is left), the API
+process killed (the engine process leaves too), a refusal at load, and a real server whose engine
+runs in its own process and whose step loop fails."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.config import load_settings
+from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.process import ProcessEngine, load_in_process, load_tokenizer, wrap_in_process
+from service.engine.protocol import (
+    Engine,
+    EngineDeadError,
+    GenerationRequest,
+    GuidedDecoding,
+    RequestOutput,
+    RequestRefusedError,
+    SamplingParams,
+)
+from service.engine.torch.guided import xgrammar_available
+from service.engine.torch.loading import build_engine
+from service.serving import config_for
+from service.text.tokenizer import Tokenizer
+from tests.conftest import EMBEDDED_NAME, process_alive, start_server, wait_ready
+from tests.test_engine_failure import DOOMED_PROMPT, FAULT
+
+REPO = Path(__file__).resolve().parent.parent
+SETTINGS: dict[str, object] = {
+    "num_threads": 2,
+    "max_model_len": 2048,
+    "kv_cache_max_tokens": 8192,
+    "max_num_batched_tokens": 256,
+}
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a small village,",
+]
+
+
+def make_config(**overrides: object) -> EngineConfig:
+    return config_for(load_settings(**{**SETTINGS, **overrides}))
+
+
+def start_process_engine(fatal: list[BaseException] | None = None, **overrides: object) -> ProcessEngine:
+    loaded = load_in_process(make_config(**overrides), None if fatal is None else fatal.append)
+    assert isinstance(loaded.engine, ProcessEngine)
+    asyncio.run(loaded.engine.start())
+    return loaded.engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ProcessEngine]:
+    engine = start_process_engine()
+    yield engine
+    asyncio.run(engine.stop())
+    assert engine.process.exitcode == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(make_config())
+
+
+def request(rid: str, prompt: list[int], **params: object) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(**{"max_tokens": 16, "temperature": 0.0, **params}))
+
+
+def run_all(engine: Engine, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
+    async def one(request: GenerationRequest) -> list[RequestOutput]:
+        return [out async for out in engine.generate(request)]
+
+    async def run() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return {r.request_id: outs for r, outs in zip(requests, asyncio.run(run()), strict=True)}
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.token_ids]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (Linux /proc), but multiprocessing's resource tracker (one per
+    process that spawns, shared, living as long as it)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+    return {p for p in found if b"resource_tracker" not in _cmdline(p)}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_greedy_tokens_equal_the_engine_in_process(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    requests = [request(f"g{i}", tokenizer.encode(p), max_tokens=24) for i, p in enumerate(PROMPTS)]
+    remote = run_all(engine, requests)
+    local_engine = build_engine(make_config())
+    asyncio.run(local_engine.start())
+    try:
+        local = run_all(local_engine, requests)
+    finally:
+        asyncio.run(local_engine.stop())
+    for r in requests:
+        assert tokens(remote[r.request_id]) == tokens(local[r.request_id]), r.request_id
+        assert "".join(o.text for o in remote[r.request_id]) == "".join(o.text for o in local[r.request_id])
+        assert remote[r.request_id][-1].finish_reason == local[r.request_id][-1].finish_reason
+
+
+def test_outputs_stream_as_deltas_and_end_once(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    outputs = run_all(
+        engine, [request("s", tokenizer.encode("Count: one, two,"), max_tokens=12, ignore_eos=True)]
+    )
+    stream = outputs["s"]
+    assert len(stream) >= 6  # one delta a step, not one reply at the end
+    assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+    assert stream[-1].finish_reason == "length" and stream[-1].num_generated_tokens == 12
+    assert len(tokens(stream)) == 12
+    assert all(o.first_scheduled_time is not None and o.time >= o.first_scheduled_time for o in stream)
+
+
+def test_a_step_of_many_requests_travels_in_one_message(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    batches: list[int] = []
+    deliver = engine._deliver
+
+    def counting(outputs: list[RequestOutput]) -> None:
+        batches.append(len(outputs))
+        deliver(outputs)
+
+    engine._deliver = counting  # type: ignore[method-assign]
+    try:
+        requests = [
+            request(f"b{i}", tokenizer.encode(PROMPTS[i % 4]), max_tokens=8, ignore_eos=True)
+            for i in range(8)
+        ]
+        run_all(engine, requests)
+    finally:
+        del engine._deliver
+    assert sum(batches) >= len(requests) * 8  # every token arrived
+    assert max(batches) == len(requests)  # a decode step of all eight arrives as one message
+    assert len(batches) < sum(batches) / 4
+
+
+def test_closing_the_iterator_and_abort_reach_the_engine(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Tell me a very long story:")
+
+    async def close_early() -> list[RequestOutput]:
+        seen = []
+        stream = engine.generate(request("closed", prompt, max_tokens=1000, ignore_eos=True))
+        async for out in stream:
+            seen.append(out)
+            if len(seen) == 2:
+                break
+        await stream.aclose()
+        return seen
+
+    assert len(asyncio.run(close_early())) == 2
+    wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_blocks_used == 0)
+
+    async def aborted() -> list[RequestOutput]:
+        seen = []
+        async for out in engine.generate(request("aborted", prompt, max_tokens=1000, ignore_eos=True)):
+            seen.append(out)
+            if len(seen) == 2:
+                engine.abort("aborted")
+        return seen
+
+    outputs = asyncio.run(aborted())
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert outputs[-1].num_generated_tokens < 100
+    wait_for(lambda: engine.stats().num_running == 0)
+
+
+def test_stats_are_pushed_and_move(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    before = engine.stats()
+    assert before.kv_blocks_total == engine.info.kv_num_blocks > 0
+    run_all(engine, [request("st", tokenizer.encode("Stats, please:"), max_tokens=6, ignore_eos=True)])
+    wait_for(lambda: engine.stats().num_steps >= before.num_steps + 6 and engine.stats().num_running == 0)
+    after = engine.stats()
+    assert after.step_tokens.total >= before.step_tokens.total + 6
+    assert after.prefix_queries > before.prefix_queries
+
+
+def test_check_refusals_come_from_the_engine_process(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Hi")
+    with pytest.raises(RequestRefusedError, match="LoRA adapter 'nope' requested"):
+        asyncio.run(engine.check(dataclasses.replace(request("a", prompt), adapter="nope")))
+    asyncio.run(engine.check(request("fine", prompt)))  # nothing to refuse
+    if not xgrammar_available():
+        return
+    bad = GuidedDecoding("grammar", "root ::= ")
+    with pytest.raises(RequestRefusedError, match="invalid grammar"):
+        asyncio.run(engine.check(request("g", prompt, guided=bad)))
+    assert engine.ready  # a refused request harms nothing
+
+
+def test_a_duplicate_request_id_fails_alone(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Twice")
+
+    async def run() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        first = engine.generate(request("dup", prompt, max_tokens=4))
+        got = [await first.__anext__()]
+        second = [out async for out in engine.generate(request("dup", prompt, max_tokens=4))]
+        got += [out async for out in first]
+        return got, second
+
+    first, second = asyncio.run(run())
+    assert first[-1].finish_reason == "length"
+    assert second[-1].error is not None and "duplicate request id" in second[-1].error
+
+
+def test_wrap_in_process_follows_the_setting() -> None:
+    config = make_config()  # the CPU
+    assert wrap_in_process("on", config) and not wrap_in_process("off", config)
+    assert not wrap_in_process("auto", config)  # off on CPUs until their bars are measured with it
+    assert wrap_in_process("auto", dataclasses.replace(config, device="cuda"))
+    trtllm = dataclasses.replace(config, engine="tensorrt_llm")
+    assert not wrap_in_process("auto", trtllm)
+    with pytest.raises(UnsupportedConfigError, match="NIM_ENGINE_PROCESS=on: only the torch engine"):
+        wrap_in_process("on", trtllm)
+
+
+def test_a_refusal_at_load_is_raised_here_and_leaves_no_process() -> None:
+    before = descendants(os.getpid())
+    with pytest.raises(UnsupportedConfigError, match="NIM_FUSED_KERNELS=1 needs a CUDA device"):
+        load_in_process(make_config(fused_kernels=True))
+    assert descendants(os.getpid()) <= before
+
+
+def test_killing_the_engine_process_fails_requests_and_readiness() -> None:
+    fatal: list[BaseException] = []
+    engine = start_process_engine(fatal, kv_cache_max_tokens=4096)
+    pid = engine.process.pid
+    assert pid is not None
+    below = descendants(pid) | {pid}
+    prompt = [1, 2, 3, 4, 5]
+
+    async def run() -> list[RequestOutput]:
+        seen = []
+        async for out in engine.generate(request("doomed", prompt, max_tokens=1000, ignore_eos=True)):
+            seen.append(out)
+            if len(seen) == 2:
+                os.kill(pid, signal.SIGKILL)
+        return seen
+
+    try:
+        outputs = asyncio.run(run())
+        last = outputs[-1]
+        assert last.finished and last.finish_reason is None and last.error is not None
+        assert last.error == f"engine failure: the engine process (pid {pid}) was killed by SIGKILL"
+        assert not engine.ready and engine.failure is not None and "SIGKILL" in engine.failure
+        wait_for(lambda: len(fatal) == 1, 5)
+        assert isinstance(fatal[0], EngineDeadError) and "SIGKILL" in str(fatal[0])
+
+        async def late() -> None:
+            async for _ in engine.generate(request("late", prompt)):
+                pass
+
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            asyncio.run(late())
+        assert engine.process.exitcode == -signal.SIGKILL
+        wait_for(lambda: not any(process_alive(p) for p in below), 10)
+    finally:
+        asyncio.run(engine.stop())  # after a death: returns at once
+
+
+PARENT = """
+import sys, time
+from service.config import load_settings
+from service.engine.process import load_in_process
+from service.serving import config_for
+from service.text.tokenizer import Tokenizer
+
+if __name__ == "__main__":
+    loaded = load_in_process(config_for(load_settings(**{settings!r})))
+    print(loaded.engine.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_engine_process_leaves_when_the_api_process_dies(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(PARENT.format(settings=SETTINGS)))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NIM_")}, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert process_alive(child)
+        parent.kill()
+        parent.wait(10)
+        wait_for(lambda: not process_alive(child), 10)
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+HOOK = """
+import importlib.abc
+import importlib.machinery
+import sys
+
+
+class _ProcessEngineHook(importlib.abc.MetaPathFinder):
+    # service.serving loads its engine with load_in_process instead of load_engine (the wiring
+    # NIM_ENGINE_PROCESS=on will do); nothing else is changed
+    def find_spec(self, name, path, target=None):
+        if name != "service.serving":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            from service.engine.process import load_in_process
+
+            module.load_engine = load_in_process
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _ProcessEngineHook())
+"""
+
+
+def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: Path) -> None:
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(HOOK + FAULT)
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    server = start_server(tmp_path / "log", env={"PYTHONPATH": path})
+    try:
+        wait_ready(server)
+        line = next(x for x in server.log().splitlines() if "the engine core runs in process" in x)
+        core = int(line.rsplit(" ", 1)[1])
+        assert core in descendants(server.process.pid)
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 5},
+            timeout=60,
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        frames: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": EMBEDDED_NAME, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True}
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as response:
+                for line in response.iter_lines():
+                    if line:
+                        frames.append(line)
+                        started.set()
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        assert started.wait(60)
+        doomed = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": EMBEDDED_NAME, "prompt": DOOMED_PROMPT, "max_tokens": 4},
+            timeout=60,
+        )
+        worker.join(60)
+        assert doomed.status_code == 500
+        error = doomed.json()["error"]
+        assert error["code"] == "engine_error" and "injected device fault" in error["message"]
+        assert frames[-1] == "data: [DONE]"
+        assert "injected device fault" in json.loads(frames[-2].removeprefix("data: "))["error"]["message"]
+        assert server.process.wait(30) == 1
+        assert not process_alive(core)
+        assert "engine failed: RuntimeError: injected device fault" in server.log()
+    finally:
+        server.stop()
