@@ -30,6 +30,8 @@ from service.engine.config import (
     GuidedLimits,
     KVCacheDType,
     LoraConfig,
+    SchedulerLimits,
+    step_defaults,
 )
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -88,18 +90,20 @@ class Settings(BaseSettings):
     device: DeviceKind = Field(
         "auto", validation_alias=_env("NIM_DEVICE"), description="auto = CUDA when available, else CPU."
     )
-    max_num_seqs: int = Field(
-        64,
+    max_num_seqs: int | None = Field(
+        None,
         ge=1,
         le=4096,
         validation_alias=_env("NIM_MAX_NUM_SEQS"),
-        description="Most requests generating at once; more wait in the queue.",
+        description="Most requests generating at once; more wait in the queue. "
+        "Default 256 on CUDA, 64 on CPU.",
     )
-    max_num_batched_tokens: int = Field(
-        1024,
+    max_num_batched_tokens: int | None = Field(
+        None,
         ge=16,
         validation_alias=_env("NIM_MAX_NUM_BATCHED_TOKENS"),
-        description="Token budget of one engine step: decode tokens plus chunks of long prompts.",
+        description="Token budget of one engine step: decode tokens plus chunks of long prompts. "
+        "Default 8192 on CUDA GPUs of 70 GiB or more, 2048 on smaller ones, 1024 on CPU.",
     )
     kv_cache_dtype: KVCacheDType = Field(
         "auto",
@@ -112,7 +116,9 @@ class Settings(BaseSettings):
         le=100,
         validation_alias=AliasChoices("NIM_KV_CACHE_PERCENT", "NIM_KVCACHE_PERCENT"),
         description="Share of free memory (after weights) for the KV cache, as a fraction (0.9) or "
-        "percent (90); default 0.9 on CUDA, 0.1 on CPU. NIM 1.x's NIM_KVCACHE_PERCENT is read too.",
+        "percent (90); default 0.9 on CUDA, 0.1 on CPU. On CUDA the largest step's activations and "
+        "the decode graphs, measured at start, come out of the share first. NIM 1.x's "
+        "NIM_KVCACHE_PERCENT is read too.",
     )
     kv_cache_max_tokens: int | None = Field(
         None,
@@ -496,8 +502,25 @@ class Settings(BaseSettings):
         return base.rstrip("/") + "/v1/traces"
 
     @property
+    def scheduler_limits(self) -> SchedulerLimits:
+        """NIM_MAX_NUM_SEQS and NIM_MAX_NUM_BATCHED_TOKENS as set (the engine resolves unset ones)."""
+        return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
     def pending_limit(self) -> int:
-        return self.max_pending_requests or 4 * self.max_num_seqs
+        """NIM_MAX_PENDING_REQUESTS, else 4 x the sequences a step runs on the device the engine
+        will run on (NIM_DEVICE; auto: CUDA when PyTorch sees a GPU)."""
+        if self.max_pending_requests:
+            return self.max_pending_requests
+        return 4 * self.scheduler_limits.for_device(step_defaults(self.device_type())).max_num_seqs
+
+    def device_type(self) -> str:
+        """Where NIM_DEVICE puts the engine, "cuda" or "cpu" (the rule of its choose_device)."""
+        if self.device != "auto":
+            return self.device
+        import torch  # here, not at import: reading settings needs no torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def api_keys(self) -> list[str]:

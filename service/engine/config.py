@@ -9,7 +9,7 @@ something else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -33,10 +33,91 @@ class UnsupportedConfigError(ValueError):
     """The engine cannot honour a configured setting; the message names it and says what to do."""
 
 
+GIB = 2**30
+
+# The step's capacity when NIM_MAX_NUM_SEQS / NIM_MAX_NUM_BATCHED_TOKENS are unset, by device.
+# CPU: the sizes the CPU throughput bars were measured with. CUDA: 256 sequences (vLLM's OpenAI
+# server default below 70 GiB; it allows 1024 above) and vLLM's OpenAI-server token budgets:
+# 8192 on GPUs of 70 GiB or more (H100, H200), 2048 on smaller ones, whose KV pool the larger
+# step's activations would eat into. vLLM leaves A100s at 2048 too (8192 measured slower there).
+CPU_MAX_NUM_SEQS = 64
+CPU_MAX_NUM_BATCHED_TOKENS = 1024
+GPU_MAX_NUM_SEQS = 256
+LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 8192
+SMALL_GPU_MAX_NUM_BATCHED_TOKENS = 2048
+LARGE_GPU_BYTES = 70 * GIB
+
+
+@dataclass(frozen=True)
+class StepDefaults:
+    """The step capacity a device gets when the operator sets none, and why (for the log)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: str  # "CPU", "a CUDA GPU of 80 GiB", ...
+
+
+CPU_DEFAULTS = StepDefaults(CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS, "CPU")
+# What an engine that always runs on a large GPU reads before knowing which (TensorRT-LLM, whose
+# own max_num_tokens default is also 8192).
+GPU_DEFAULTS = StepDefaults(GPU_MAX_NUM_SEQS, LARGE_GPU_MAX_NUM_BATCHED_TOKENS, "a CUDA GPU")
+
+
+def step_defaults(device_type: str, total_memory: int = 0, name: str = "") -> StepDefaults:
+    """The unset limits' values on a device: `device_type` "cpu" or "cuda", with the GPU's total
+    memory (bytes) and name."""
+    if device_type != "cuda":
+        return CPU_DEFAULTS
+    large = total_memory >= LARGE_GPU_BYTES and "a100" not in name.lower()
+    tokens = LARGE_GPU_MAX_NUM_BATCHED_TOKENS if large else SMALL_GPU_MAX_NUM_BATCHED_TOKENS
+    shown = f"{name} " if name else ""
+    return StepDefaults(GPU_MAX_NUM_SEQS, tokens, f"CUDA GPU {shown}({total_memory / GIB:.0f} GiB)")
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_num_seqs: int  # requests generating at once
-    max_num_batched_tokens: int  # token budget of one step
+    """NIM_MAX_NUM_SEQS (requests generating at once) and NIM_MAX_NUM_BATCHED_TOKENS (the token
+    budget of one step) as the operator set them; None: unset, the device's default.
+
+    An engine resolves the defaults once, when its device is known (`for_device`); until then an
+    unset limit reads as a large GPU's default (GPU_DEFAULTS). An explicit setting always wins.
+    """
+
+    set_max_num_seqs: int | None = None
+    set_max_num_batched_tokens: int | None = None
+    defaults: StepDefaults = GPU_DEFAULTS
+
+    @property
+    def max_num_seqs(self) -> int:
+        if self.set_max_num_seqs is not None:
+            return self.set_max_num_seqs
+        return self.defaults.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        if self.set_max_num_batched_tokens is not None:
+            return self.set_max_num_batched_tokens
+        return self.defaults.max_num_batched_tokens
+
+    def for_device(self, defaults: StepDefaults) -> SchedulerLimits:
+        """These limits with the unset ones taking `defaults` (a device's: `step_defaults`)."""
+        return replace(self, defaults=defaults)
+
+    def describe(self) -> str:
+        """One line for the start-up log: the values, and which are the device's defaults."""
+
+        def part(value: int, what: str, explicit: bool, variable: str) -> str:
+            source = variable if explicit else f"default for {self.defaults.device}; {variable} sets it"
+            return f"{value} {what} ({source})"
+
+        seqs = part(self.max_num_seqs, "sequences", self.set_max_num_seqs is not None, "NIM_MAX_NUM_SEQS")
+        tokens = part(
+            self.max_num_batched_tokens,
+            "tokens",
+            self.set_max_num_batched_tokens is not None,
+            "NIM_MAX_NUM_BATCHED_TOKENS",
+        )
+        return f"step capacity: {seqs}, {tokens} per step"
 
 
 @dataclass(frozen=True)

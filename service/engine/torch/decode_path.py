@@ -101,19 +101,30 @@ def _choose(model: CausalLM, pool: KVPool, device: torch.device, options: Decode
         return DecodePath(
             "scripted", DecodeAttention.GATHER, _reads_in_place(pool, model), reason, scripted=built
         )
-    if not options.kernel:
-        return DecodePath.eager(
-            pool, model, False, "the Triton paged kernel cannot run here (see the warning)"
-        )
-    if options.tensor_parallel:
-        return DecodePath.eager(pool, model, True, "tensor parallelism: no CUDA graphs across ranks yet")
-    if options.enforce_eager:
-        return DecodePath.eager(pool, model, True, "NIM_ENFORCE_EAGER=1")
+    why_not = _why_no_graphs(options)
+    if why_not is not None:
+        return DecodePath.eager(pool, model, options.kernel, why_not)
     graphs = CudaGraphDecoder(model, pool, options.max_num_seqs, options.max_model_len, device)
     reason = f"batch sizes {graphs.buckets}, captured at warm-up"
     return DecodePath(
         "cuda-graphs", DecodeAttention.KERNEL, _reads_in_place(pool, model), reason, graphs=graphs
     )
+
+
+def captures_graphs(device: torch.device, options: DecodeOptions) -> bool:
+    """Whether the engine will capture decode graphs (the KV pool is sized around their memory)."""
+    return device.type == "cuda" and _why_no_graphs(options) is None
+
+
+def _why_no_graphs(options: DecodeOptions) -> str | None:
+    """On CUDA: why decodes run eagerly; None: they run as CUDA graphs."""
+    if not options.kernel:
+        return "the Triton paged kernel cannot run here (see the warning)"
+    if options.tensor_parallel:
+        return "tensor parallelism: no CUDA graphs across ranks yet"
+    if options.enforce_eager:
+        return "NIM_ENFORCE_EAGER=1"
+    return None
 
 
 def _reads_in_place(pool: KVPool, model: CausalLM) -> bool:

@@ -25,6 +25,7 @@ from service.engine.torch.rank_loading import (
     load_rank,
     read_weights,
     resolve_device,
+    resolve_step_limits,
 )
 from service.engine.torch.rank_loading import context_length as context_length  # tests import it here
 from service.engine.torch.tp_group import RankSetup, TPGroup
@@ -106,6 +107,7 @@ def build_engine(
     config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
 ) -> TorchEngine:
     device, dtype = resolve_device(config)
+    config = resolve_step_limits(config, device)  # unset NIM_MAX_NUM_SEQS etc.: this device's defaults
     check_lora(config)
     check_guided(config)
     check_experts(config)

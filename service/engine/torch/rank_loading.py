@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
 from service.engine import triton_support
-from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError
+from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
 from service.engine.models import quant_cache
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig, UnsupportedModelError
@@ -31,15 +31,20 @@ from service.engine.models.loader import (
 from service.engine.models.quant import QuantizationError
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
 from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
+from service.engine.torch.cuda_graphs import batch_buckets
+from service.engine.torch.decode_path import DecodeOptions, captures_graphs
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
+from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Reservations, budget, reserve
 from service.selection.hardware import choose_device, choose_dtype, free_memory_bytes
 from service.util import cdiv
 
 log = logging.getLogger(__name__)
 
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-# Share of free memory (after weights are loaded) the KV cache takes by default.
+# Share of free memory (after weights are loaded) the KV cache takes by default; on CUDA (one
+# rank) the share holds the largest step's activations and the decode graphs too, measured and
+# subtracted before the pool takes the rest (service.engine.torch.memory_budget).
 DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
 
 
@@ -83,12 +88,56 @@ class RankLoad:
     lora: LoraSlots | None = None  # the model's LoRA device slots (this rank's shards)
 
     def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
-        """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory."""
+        """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory. On
+        CUDA with one rank, after what the largest step and the decode graphs need (measured)."""
         device = self.model.device
         share = ranks if device.type == "cpu" else 1
         return size_kv_cache(
-            self.kv_spec, config.kv_cache, config.scheduler.max_num_seqs, device, self.max_model_len, share
+            self.kv_spec,
+            config.kv_cache,
+            config.scheduler.max_num_seqs,
+            device,
+            self.max_model_len,
+            share,
+            self.reservations(config, ranks),
         )
+
+    def reservations(self, config: EngineConfig, ranks: int) -> Callable[[], Reservations] | None:
+        """What measures the memory set aside before the pool: CUDA with one rank only."""
+        device = self.model.device
+        if device.type != "cuda" or ranks > 1:
+            return None
+        limits = config.scheduler
+        options = DecodeOptions(
+            self.decode_kernel, config.enforce_eager, limits.max_num_seqs, self.max_model_len
+        )
+        graphs = batch_buckets(limits.max_num_seqs) if captures_graphs(device, options) else []
+        probe = CudaStepProbe(self.model, self.kv_spec, device, self.decode_kernel, self.lora)
+
+        def measure() -> Reservations:
+            return reserve(
+                probe,
+                limits.max_num_batched_tokens,
+                limits.max_num_seqs,
+                self.max_model_len,
+                self.model_config.vocab_size,
+                graphs,
+            )
+
+        return measure
+
+
+def resolve_step_limits(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with unset NIM_MAX_NUM_SEQS / NIM_MAX_NUM_BATCHED_TOKENS resolved for `device`
+    (once, before any rank loads: worker ranks receive the result), logged."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        defaults = step_defaults("cuda", props.total_memory, props.name)
+    else:
+        defaults = step_defaults("cpu")
+    limits = config.scheduler.for_device(defaults)
+    log.info("%s", limits.describe())
+    return replace(config, scheduler=limits)
 
 
 def read_weights(config: EngineConfig) -> tuple[ModelConfig, Iterator[tuple[str, Weight]]]:
@@ -236,25 +285,44 @@ def size_kv_cache(
     device: torch.device,
     max_model_len: int,
     sharers: int = 1,
+    reservations: Callable[[], Reservations] | None = None,
 ) -> int:
-    """Number of KV blocks: a share of free memory (split between `sharers` pools on one device),
+    """Number of KV blocks: a share of free memory (split between `sharers` pools on one device)
+    less the `reservations` measured for what follows the pool (service.engine.torch.memory_budget),
     capped by an explicit token count and by what max_num_seqs full-context sequences could ever
-    use. Logged, since it bounds concurrency.
+    use. Logged with the numbers, since it bounds concurrency.
     """
     fraction = kv.memory_fraction
     if fraction is None:
         fraction = DEFAULT_KV_FRACTION[device.type]
-    budget_tokens = int(free_memory_bytes(device) * fraction / sharers) // spec.bytes_per_token()
+    memory = budget(free_memory_bytes(device), fraction, sharers, reservations)
+    if memory.reserved is not None or device.type == "cuda":
+        log.info("KV cache memory on %s: %s", device, memory.describe())
+    if device.type == "cuda" and memory.reserved is None:
+        log.info("KV cache memory: tensor parallelism: the activations and graphs are not measured")
+    return kv_cache_blocks(spec, kv, max_num_seqs, max_model_len, memory)
+
+
+def kv_cache_blocks(
+    spec: KVCacheSpec, kv: KVCacheConfig, max_num_seqs: int, max_model_len: int, memory: MemoryBudget
+) -> int:
+    """The pool's blocks within `memory`, capped (NIM_KV_CACHE_MAX_TOKENS, max_num_seqs full
+    contexts); KVCacheTooSmallError when one full-context sequence does not fit."""
+    budget_tokens = memory.pool_bytes // spec.bytes_per_token()
     caps = [budget_tokens, max_num_seqs * max_model_len]
     if kv.max_tokens is not None:
         caps.append(kv.max_tokens)
     num_blocks = min(caps) // spec.block_size
     max_len_blocks = cdiv(max_model_len, spec.block_size)
     if num_blocks < max_len_blocks:
+        reserved = ""
+        if memory.reserved is not None:
+            reserved = f" ({memory.describe()})"
+        step = ", NIM_MAX_NUM_BATCHED_TOKENS" if memory.reserved is not None else ""
         raise KVCacheTooSmallError(
             f"the KV cache holds {num_blocks * spec.block_size} tokens, fewer than one {max_model_len}-token "
-            "sequence: lower NIM_MAX_MODEL_LEN, raise NIM_KV_CACHE_PERCENT / NIM_KV_CACHE_MAX_TOKENS, "
-            "or use NIM_KV_CACHE_DTYPE=int8"
+            f"sequence{reserved}: lower NIM_MAX_MODEL_LEN{step}, raise NIM_KV_CACHE_PERCENT / "
+            "NIM_KV_CACHE_MAX_TOKENS, or use NIM_KV_CACHE_DTYPE=int8"
         )
     tokens = num_blocks * spec.block_size
     log.info(
