@@ -4,13 +4,18 @@ CUDA graphs that give exactly what eager decoding gives, through the real engine
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 
 import pytest
+import torch
 
 from service.config import load_settings
+from service.engine.config import step_defaults
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
+from service.engine.torch.memory_budget import CudaStepProbe, largest_step
 from service.serving import config_for
 
 pytestmark = pytest.mark.gpu
@@ -78,3 +83,43 @@ def test_graph_replayed_decode_equals_eager_decode(kv_cache_dtype: str) -> None:
         ]
         results[eager] = generate(engine, prompts, 48)
     assert results[False] == results[True]
+
+
+def test_default_capacity_and_measured_kv_pool(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unset limits on a GPU: 256 sequences and the device's token budget, graphs up to 256; the
+    KV pool is sized after the measured reservations (logged), what capture then takes stays
+    within the graphs' reservation, and every graph's logits are rows of one buffer."""
+    monkeypatch.delenv("NIM_MAX_NUM_SEQS", raising=False)
+    monkeypatch.delenv("NIM_MAX_NUM_BATCHED_TOKENS", raising=False)
+    with caplog.at_level(logging.INFO):
+        engine = engine_for(device="cuda")
+        props = torch.cuda.get_device_properties(0)
+        expected = step_defaults("cuda", props.total_memory, props.name)
+        assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (
+            256,
+            expected.max_num_batched_tokens,
+        )
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None and graphs.buckets[-1] == 256
+        prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+        assert len(generate(engine, [prompt] * 3, 8)) == 3  # starts (captures graphs) and stops
+    reserved = re.search(
+        r"reserved ([\d.]+) GiB for the activations .* ([\d.]+) GiB for decode graphs", caplog.text
+    )
+    taken = re.search(r"captured \d+ CUDA graphs .* taking ([\d.]+) GiB", caplog.text)
+    assert reserved is not None and taken is not None, caplog.text
+    assert float(reserved.group(1)) > 0
+    assert float(taken.group(1)) <= float(reserved.group(2)), caplog.text
+    assert graphs.output is not None
+    assert all(t.data_ptr() == graphs.output.data_ptr() for t in graphs.logits.values())
+
+
+def test_probe_peaks_grow_with_the_step() -> None:
+    engine = engine_for(device="cuda", max_model_len=2048, max_num_batched_tokens=4096)
+    config = engine.config
+    probe = CudaStepProbe(engine.model, config.kv_spec, config.device, config.decode_kernel)
+    small = probe.peak_bytes(largest_step(256, 256, 2048))
+    large = probe.peak_bytes(largest_step(4096, 256, 2048))
+    assert 0 < small < large

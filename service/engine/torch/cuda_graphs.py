@@ -124,11 +124,11 @@ class CudaGraphDecoder:
         Every graph writes its logits into one buffer of the largest bucket's rows, so the pool
         holds one step's working set: a graph's own output would stay allocated, and a logits
         tensor per bucket adds up to several of the largest (about 1.2 GB at 256 sequences and a
-        128k vocabulary). What capture took from the device is logged beside the reservation the
-        KV pool was sized with (service.engine.torch.memory_budget)."""
+        128k vocabulary). What capture took from the device (its pool, the buffer, the graphs) is
+        logged, to hold against the reservation the KV pool was sized with
+        (service.engine.torch.memory_budget)."""
         started = time.monotonic()
-        torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
+        free_before = _free_memory(self.device)
         memory_pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bucket in reversed(self.buckets):
@@ -142,8 +142,7 @@ class CudaGraphDecoder:
                     self.output[:bucket].copy_(self.forward(bucket))
                 self.logits[bucket] = self.output[:bucket]
                 self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
+        free_after = _free_memory(self.device)
         seconds = time.monotonic() - started
         taken = (free_before - free_after) / 2**30
         log.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s, taking %.2f GiB of "
@@ -178,6 +177,15 @@ class CudaGraphDecoder:
         staged[count:bucket] = self.padding
         self.inputs[:bucket].copy_(self.staging[:bucket], non_blocking=True)
         return bucket
+
+
+def _free_memory(device: torch.device) -> int:
+    """Free device memory once every kernel ran and the caching allocator let go of what it holds
+    unused (the graphs' private pool stays: it is what capture is measured by)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
 
 
 def _fill_tables(staged: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
