@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton (
 # (cached tokens, queries) per sequence: decodes at block edges, prefill chunks after cached context
 # (one crossing a block edge, one a whole tile), a one-token prompt, a fresh prompt, and padding
 # sequences (0, 0) in the middle and at the end.
-MIXED = [(40, 1), (15, 1), (16, 9), (0, 0), (0, 1), (5, 27), (0, 19), (33, 1), (0, 0)]
+MIXED = [(40, 1), (15, 1), (16, 9), (0, 0), (0, 1), (5, 18), (0, 12), (33, 1), (0, 0)]
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Step:
     def scales(self) -> torch.Tensor | None:
         return self.pool.scales[0] if self.pool.scales is not None else None
 
-    def attend(self, window: int | None = None, **kwargs: int) -> torch.Tensor:
+    def attend(self, window: int | None = None, **kwargs: Any) -> torch.Tensor:
         return _attend(self.pool, self.q, self.tables, self.query_start_loc, self.seq_lens, window, **kwargs)
 
 
@@ -63,7 +64,7 @@ def _attend(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     window: int | None = None,
-    **kwargs: int,
+    **kwargs: Any,
 ) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))  # every row must be written
     max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -139,9 +140,12 @@ def _poison(pool: KVPool, unused: torch.Tensor) -> None:
         pool.data[0].view(2, heads, -1, pool.spec.head_dim)[:, :, index] = float("nan")
 
 
-def _dense(step: Step, window: int | None = None) -> torch.Tensor:
+def _dense(
+    step: Step, window: int | None = None, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per sequence in float32 over the pool as stored (dequantized),
-    causal (and windowed) by absolute position; padding rows are zeros."""
+    or with this step's positions taken from `new_kv` where given; causal (and windowed) by
+    absolute position; padding rows are zeros."""
     pool, q = step.pool, step.q
     kv_heads, block_size = pool.spec.num_kv_heads, pool.spec.block_size
     out = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
@@ -153,6 +157,9 @@ def _dense(step: Step, window: int | None = None) -> torch.Tensor:
         blocks = step.tables[s, : math.ceil(length / block_size)].long()
         keys, values = pool.gather(0, pool.head_block_ids(blocks), torch.float32)  # [Hkv, L, D]
         keys, values = keys[:, :length], values[:, :length]
+        if new_kv is not None:
+            for stored, new in zip((keys, values), new_kv, strict=True):
+                stored[:, length - num_query :] = new[start : start + num_query].transpose(0, 1).float()
         queries = q[start : start + num_query].float().view(num_query, kv_heads, -1, q.shape[-1])
         scores = torch.einsum("qhgd,hkd->qhgk", queries, keys) / math.sqrt(q.shape[-1])
         query_pos = torch.arange(length - num_query, length, device=DEVICE)[:, None]
@@ -175,13 +182,13 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> No
 @pytest.mark.parametrize(
     ("cache_dtype", "dtype", "tolerance", "heads", "kv_heads", "head_dim", "block_size", "window"),
     [
-        ("auto", torch.float32, 1e-5, 4, 4, 64, 16, None),  # group 1
-        ("auto", torch.bfloat16, 2e-2, 8, 2, 128, 32, None),  # group 4
+        ("auto", torch.float32, 1e-5, 2, 2, 64, 16, None),  # group 1
+        ("auto", torch.bfloat16, 2e-2, 4, 1, 128, 32, None),  # group 4
         ("auto", torch.float32, 1e-5, 8, 1, 64, 32, 20),  # group 8, windowed
         ("int8", torch.bfloat16, 2e-2, 8, 2, 64, 16, 7),  # windowed within a block
         ("int8", torch.float32, 1e-5, 8, 1, 128, 32, None),
-        ("fp8", torch.bfloat16, 2e-2, 8, 2, 64, 32, None),
-        ("fp8", torch.float32, 1e-5, 4, 4, 128, 16, 33),  # a window across tiles
+        ("fp8", torch.bfloat16, 2e-2, 4, 1, 64, 32, None),
+        ("fp8", torch.float32, 1e-5, 2, 2, 128, 16, 33),  # group 1, a window across tiles
         ("auto", torch.float32, 1e-5, 6, 2, 80, 16, None),  # group 3, head size not a power of two
     ],
 )
@@ -218,10 +225,26 @@ def test_window_edges(window: int) -> None:
 def test_any_query_block_gives_the_same_attention(block_q: int) -> None:
     """Query blocks smaller and larger than the chunks (one query per program, several blocks per
     chunk, a block holding a whole chunk) all agree with the dense reference."""
-    step = _step("auto", torch.float32, 8, 2, 64, 16, MIXED, pad_tokens=5, seed=block_q)
+    seqs = [(15, 1), (16, 9), (0, 0), (5, 12)]
+    step = _step("auto", torch.float32, 8, 2, 64, 16, seqs, pad_tokens=5, seed=block_q)
     got = step.attend(None, block_q=block_q, tile=16)
     _assert_close(got, _dense(step), 1e-5)
     assert torch.equal(got[-5:], torch.zeros_like(got[-5:]))
+
+
+@needs_triton
+@pytest.mark.parametrize(("cache_dtype", "window"), [("int8", None), ("fp8", 9)])
+def test_this_steps_keys_and_values_as_computed(cache_dtype: str, window: int | None) -> None:
+    """With new_kv, this step's positions are attended as computed, not as the quantized cache
+    stores them; q, k and v here are views of one fused projection output (strided rows)."""
+    step = _step(cache_dtype, torch.float32, 8, 2, 64, 16, MIXED, pad_tokens=2, seed=5)
+    tokens, heads, head_dim = step.q.shape
+    qkv = torch.randn(tokens, heads + 4, head_dim, device=DEVICE)
+    qkv[:, :heads] = step.q
+    q, k, v = qkv.split([heads, 2, 2], dim=1)
+    got = _attend(step.pool, q, step.tables, step.query_start_loc, step.seq_lens, window, new_kv=(k, v))
+    _assert_close(got, _dense(step, window, (k, v)), 1e-5)
+    assert (got - _dense(step, window)).abs().max() > 1e-2  # the stored copies would differ
 
 
 @needs_triton
@@ -271,6 +294,47 @@ def test_a_row_does_not_depend_on_what_shares_its_step() -> None:
     )
     assert torch.equal(chunked[: prompt - split], whole[split:])
     assert torch.equal(chunked[prompt - split], beside[prompt])
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_a_captured_launch_replays_any_step_of_its_size() -> None:
+    """The grid depends on (tokens, sequences) only: one launch captured in a CUDA graph over
+    static metadata buffers replays a step with other query and context lengths as an eager
+    launch computes it."""
+    first = _step("auto", torch.bfloat16, 8, 2, 128, 16, MIXED, pad_tokens=3, seed=1)
+    # The same tables (each context within the one written for `first`), the 43 queries split anew.
+    seqs = [(10, 1), (0, 3), (16, 4), (0, 0), (0, 1), (2, 20), (0, 12), (30, 2), (0, 0)]
+    starts = [sum(n for _, n in seqs[:i]) for i in range(len(seqs) + 1)]
+    second = replace(
+        first,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=DEVICE),
+        query_lens=[n for _, n in seqs],
+    )
+    shape = {"block_q": 16, "tile": 32}
+    starts_buffer, lens_buffer = first.query_start_loc.clone(), first.seq_lens.clone()
+    out = torch.empty_like(first.q)
+
+    def launch() -> None:
+        paged_unified_attention(
+            first.q, first.pool.data[0], None, "auto", first.tables, starts_buffer, lens_buffer,
+            1 / math.sqrt(first.q.shape[-1]), max_query_len=16, out=out, **shape,
+        )  # fmt: skip
+
+    launch()  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for step in (second, first):
+        starts_buffer.copy_(step.query_start_loc)
+        lens_buffer.copy_(step.seq_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step.attend(None, **shape))
+        _assert_close(out, _dense(step), 2e-2)
 
 
 def test_the_grid_covers_every_query_block() -> None:

@@ -88,6 +88,62 @@ if triton is not None:
         return lo - 1
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def _load_kv_tile(  # type: ignore[no-untyped-def]
+        k_base,  # the pool's keys of this kv head; its values lie kv_stride further
+        kv_stride,
+        scale_base,  # the keys' scales of this kv head (quantized caches); values' scale_kv_stride further
+        scale_kv_stride,
+        table,  # this sequence's block table row
+        new_k,  # this step's keys of this kv head (OWN_KV)
+        new_v,
+        stride_nt,
+        pos,  # [TILE] key positions
+        in_range,  # [TILE] positions to read (the rest load as zeros)
+        cached,  # positions before this step's queries
+        query_start,  # this sequence's first row in the step
+        dims,
+        dim_ok,
+        compute_dtype: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr,
+        OWN_KV: tl.constexpr,
+    ):
+        """Keys and values [TILE, D] at `pos`, in compute_dtype: read in place through the block
+        table and dequantized with their per-token scales, or, with OWN_KV, taken as computed
+        for this step's positions (pos >= cached)."""
+        from_pool = in_range
+        if OWN_KV:
+            from_pool = in_range & (pos < cached)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=from_pool, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [TILE]
+        offsets = slot[:, None] * HEAD_DIM + dims[None, :]
+        pool_mask = from_pool[:, None] & dim_ok[None, :]
+        k = tl.load(k_base + offsets, mask=pool_mask, other=0)
+        v = tl.load(k_base + kv_stride + offsets, mask=pool_mask, other=0)
+        if QUANT != 0:
+            k_scale = tl.load(scale_base + slot, mask=from_pool, other=0.0).to(tl.float32)
+            v_scale = tl.load(scale_base + scale_kv_stride + slot, mask=from_pool, other=0.0).to(tl.float32)
+            if QUANT == 2:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(compute_dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(compute_dtype)
+        else:
+            k = k.to(compute_dtype)
+            v = v.to(compute_dtype)
+        if OWN_KV:
+            own = in_range & (pos >= cached)
+            rows = (query_start + pos - cached).to(tl.int64)
+            new_offsets = rows[:, None] * stride_nt + dims[None, :]
+            new_mask = own[:, None] & dim_ok[None, :]
+            k_own = tl.load(new_k + new_offsets, mask=new_mask, other=0).to(compute_dtype)
+            v_own = tl.load(new_v + new_offsets, mask=new_mask, other=0).to(compute_dtype)
+            k = tl.where(own[:, None], k_own, k)
+            v = tl.where(own[:, None], v_own, v)
+        return k, v
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _unified_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr,  # [T, Hq, D]
         cache_ptr,  # [2, Hkv, NB, BS, D] (k then v)
@@ -96,6 +152,8 @@ if triton is not None:
         qsl_ptr,  # [S + 1] integer: query_start_loc
         lens_ptr,  # [S] integer: context length after this step
         out_ptr,  # [T, Hq, D]
+        new_k_ptr,  # [T, Hkv, D]: this step's keys as computed (read only when OWN_KV)
+        new_v_ptr,  # [T, Hkv, D]: this step's values as computed (read only when OWN_KV)
         sm_scale,
         window,  # keys visible to a query, its own included (read only when WINDOWED)
         num_seqs,
@@ -105,6 +163,8 @@ if triton is not None:
         stride_ot,
         stride_oh,
         stride_tb,
+        stride_nt,  # new keys/values: elements between tokens
+        stride_nh,  # new keys/values: elements between kv heads
         stride_qsl,
         stride_lens,
         kv_stride,  # elements between k and v (Hkv * NB * BS * D)
@@ -124,6 +184,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models (no tf32 shortcuts)
         COMPUTE_F32: tl.constexpr,  # matmuls in float32 (the interpreter has no bf16 arithmetic)
         WINDOWED: tl.constexpr,  # a sliding-window layer
+        OWN_KV: tl.constexpr,  # this step's keys/values from new_k/new_v, not from the pool
     ):
         block_index = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -175,8 +236,6 @@ if triton is not None:
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
-        k_base = cache_ptr + kv_head * head_stride
-        v_base = k_base + kv_stride
         keys = tl.arange(0, TILE)
         # Keys past the block's last query are seen by no row of it.
         key_end = tl.minimum(block_start + BLOCK_Q, seq_len)
@@ -186,26 +245,27 @@ if triton is not None:
         for start in range(first_key // TILE * TILE, key_end, TILE):
             pos = start + keys  # [TILE]
             in_range = pos < key_end
-            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=in_range, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [TILE]
-            offsets = slot[:, None] * HEAD_DIM + dims[None, :]  # [TILE, D]
-            kv_mask = in_range[:, None] & dim_ok[None, :]
-            k = tl.load(k_base + offsets, mask=kv_mask, other=0)
-            v = tl.load(v_base + offsets, mask=kv_mask, other=0)
-            if QUANT != 0:
-                scale_base = scale_ptr + kv_head * scale_head_stride
-                k_scale = tl.load(scale_base + slot, mask=in_range, other=0.0).to(tl.float32)
-                v_scale = tl.load(scale_base + scale_kv_stride + slot, mask=in_range, other=0.0).to(
-                    tl.float32
-                )
-                if QUANT == 2:
-                    k = k.to(tl.float8e4nv, bitcast=True)
-                    v = v.to(tl.float8e4nv, bitcast=True)
-                k = (k.to(tl.float32) * k_scale[:, None]).to(compute_dtype)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(compute_dtype)
-            else:
-                k = k.to(compute_dtype)
-                v = v.to(compute_dtype)
+            k, v = _load_kv_tile(
+                cache_ptr + kv_head * head_stride,
+                kv_stride,
+                scale_ptr + kv_head * scale_head_stride,
+                scale_kv_stride,
+                tables_ptr + seq * stride_tb,
+                new_k_ptr + kv_head * stride_nh,
+                new_v_ptr + kv_head * stride_nh,
+                stride_nt,
+                pos,
+                in_range,
+                cached,
+                query_start,
+                dims,
+                dim_ok,
+                compute_dtype,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                QUANT,
+                OWN_KV,
+            )  # [TILE, D] each
 
             visible = (pos[None, :] <= position[:, None]) & row_ok[:, None]  # causal, [M, TILE]
             if WINDOWED:
@@ -274,6 +334,7 @@ def paged_unified_attention(
     out: torch.Tensor | None = None,
     block_q: int | None = None,
     tile: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's queries over their sequences' paged keys and values.
 
@@ -284,7 +345,10 @@ def paged_unified_attention(
     step (>= its query length). The three may be views of static buffers; none is read on the host.
     `max_query_len` (host-known; any upper bound works) picks the block shape; `block_q` and `tile`
     pin it. `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
-    `window`: each query sees only the last `window` positions up to its own. Returns [T, Hq, D].
+    `window`: each query sees only the last `window` positions up to its own. `new_kv`: this
+    step's keys and values as computed, [T, Hkv, D] each with q's rows (the same strides): a query
+    then attends to them rather than to their stored copies (what a quantized cache rounds), as the
+    gathered prefill path does. Returns [T, Hq, D].
     """
     if triton is None:
         raise RuntimeError("paged_unified_attention needs triton, which is not installed")
@@ -301,6 +365,11 @@ def paged_unified_attention(
         raise ValueError(f"max_query_len {max_query_len} must be at least 1")
     if out is None:
         out = torch.empty_like(q)
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out must be [T, Hq, D] {tuple(q.shape)}, contiguous in the head dimension")
+    new_k, new_v = new_kv if new_kv is not None else (q, q)  # unused without new_kv
+    if new_kv is not None:
+        _check_new_kv(new_k, new_v, (num_tokens, num_kv_heads, head_dim))
     group = num_heads // num_kv_heads
     block_q, block_m = launch_shape(max_query_len, group, block_q)
     if tile is None:
@@ -321,6 +390,8 @@ def paged_unified_attention(
         query_start_loc,
         seq_lens,
         out,
+        new_k,
+        new_v,
         sm_scale,
         0 if window is None else window,
         num_seqs,
@@ -330,6 +401,8 @@ def paged_unified_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        new_k.stride(0),
+        new_k.stride(1),
         query_start_loc.stride(0),
         seq_lens.stride(0),
         num_kv_heads * head_stride,
@@ -349,6 +422,7 @@ def paged_unified_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         COMPUTE_F32=interpreted,
         WINDOWED=window is not None,
+        OWN_KV=new_kv is not None,
     )
     return out
 
@@ -374,6 +448,13 @@ def _check_shapes(
             f"{num_seqs} sequences need query_start_loc [{num_seqs + 1}] and {num_seqs} block table rows, "
             f"got {tuple(query_start_loc.shape)} and {block_tables.shape[0]}"
         )
+
+
+def _check_new_kv(new_k: torch.Tensor, new_v: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    if new_k.shape != shape or new_v.shape != shape:
+        raise ValueError(f"new keys and values must be [T, Hkv, D] {shape}, got {tuple(new_k.shape)}")
+    if new_k.stride() != new_v.stride() or new_k.stride(2) != 1:
+        raise ValueError("new keys and values must share strides, contiguous in the head dimension")
 
 
 def _next_power_of_2(n: int) -> int:
