@@ -37,6 +37,9 @@ class PrecisionSpec:
     native_cpu: str | None = None  # quantized: the CPU kernel that computes with it, in a phrase
     native_cuda: str | None = None  # quantized: the CUDA kernel that computes with it, in a phrase
     native_cuda_capability: Capability | None = None  # the lowest compute capability `native_cuda` runs on
+    # `native_cuda` was measured on a GPU (passed `make test-gpu` and beat bf16 at batch 1 in the same
+    # run, recorded under bench/results/): until then selection ranks it below the float precisions.
+    native_cuda_measured: bool = False
     runs_on_cpu: bool = True  # the torch engine computes in it on a CPU
     cpu_wants_bf16: bool = False  # fast on a CPU only with bf16 instructions (it computes in bf16)
     torch_min_capability: Capability | None = None  # the torch engine refuses older GPUs (no emulation)
@@ -58,6 +61,8 @@ class PrecisionSpec:
             raise ValueError(f"precision {self.name}: a storage format needs a layer class, and only it")
         if (self.native_cuda is None) != (self.native_cuda_capability is None):
             raise ValueError(f"precision {self.name}: a native CUDA kernel states its compute capability")
+        if self.native_cuda_measured and self.native_cuda is None:
+            raise ValueError(f"precision {self.name}: only a native CUDA kernel is measured")
 
 
 # In the order selection prefers them (service.selection.profiles.PRECISIONS), other things equal.
@@ -78,6 +83,7 @@ SPECS: tuple[PrecisionSpec, ...] = (
         quantized_at_load=True,
         native_cuda="e4m3 tensor cores",  # torch._scaled_mm on e4m3
         native_cuda_capability=(8, 9),
+        native_cuda_measured=False,  # never run on a GPU yet (issue 28): ranked below bf16 until it is
         trtllm=True,
         trtllm_min_capability=(8, 9),
     ),

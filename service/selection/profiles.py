@@ -13,9 +13,10 @@ Selection, in order:
      with the longest context that fits (a multiple of 1,024 tokens, at least MIN_CONTEXT).
   3. Rank the rest: native precision over emulated (an emulated profile runs when asked for, and
      is never chosen over a native one), TensorRT-LLM over torch, hardware-specific over generic,
-     lower precision first, the configured profile type (throughput or latency) first, then the
-     smallest tp for throughput (the largest for latency), LoRA-less and model-dtype KV cache
-     before variants.
+     lower precision first (last: a torch precision whose CUDA kernel has not been measured on a
+     GPU, and, on a CPU without bf16 instructions, bf16 and the int kernels), the configured
+     profile type (throughput or latency) first, then the smallest tp for throughput (the largest
+     for latency), LoRA-less and model-dtype KV cache before variants.
 """
 
 from __future__ import annotations
@@ -396,10 +397,25 @@ def _slow_here(profile: Profile, system: SystemInfo) -> bool:
     return not system.gpus and not fast_bf16 and PRECISION_SPECS[profile.precision].cpu_wants_bf16
 
 
+def _unmeasured_here(verdict: Verdict, system: SystemInfo) -> bool:
+    """The torch engine would run the profile's precision through a native CUDA kernel that has not
+    been measured on a GPU (PrecisionSpec.native_cuda_measured): selection ranks it last, below the
+    float precisions, until a GPU run shows it correct and faster than bf16. Asked for, it runs."""
+    spec = PRECISION_SPECS[verdict.profile.precision]
+    return (
+        bool(system.gpus)
+        and verdict.profile.llm_engine == "torch"
+        and verdict.mode == "native"
+        and spec.native_cuda is not None
+        and not spec.native_cuda_measured
+    )
+
+
 def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     p = verdict.profile
     family = system.gpus[0].family if system.gpus else "cpu"
-    precision_rank = len(PRECISIONS) if _slow_here(p, system) else PRECISIONS.index(p.precision)
+    last = _slow_here(p, system) or _unmeasured_here(verdict, system)
+    precision_rank = len(PRECISIONS) if last else PRECISIONS.index(p.precision)
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
         verdict.mode == "emulated",
@@ -512,6 +528,17 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo)
         parts.append(
             f"{', '.join(demoted)} ranked last: this CPU has no {' or '.join(_FAST_BF16_FLAGS)}, "
             "without which they run slower than fp32"
+        )
+    unmeasured = sorted({v.profile.precision for v in runnable if _unmeasured_here(v, system)})
+    if _unmeasured_here(chosen, system):
+        parts.append(
+            "its CUDA kernels have not been measured on a GPU yet: ranked below the float precisions, "
+            "chosen because none of them fits here"
+        )
+    elif unmeasured:
+        parts.append(
+            f"torch {', '.join(unmeasured)} ranked below the float precisions: its CUDA kernels have not "
+            "been measured on a GPU yet (select it by NIM_MODEL_PROFILE to run it)"
         )
     if len(runnable) > 1:
         parts.append(f"{len(runnable) - 1} other compatible profile(s) ranked lower")
