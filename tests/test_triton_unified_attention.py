@@ -11,8 +11,12 @@ a key read past a context, or from a padding sequence's table, shows up in the o
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,9 +188,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> No
     [
         ("auto", torch.float32, 1e-5, 2, 2, 64, 16, None),  # group 1
         ("auto", torch.bfloat16, 2e-2, 4, 1, 128, 32, None),  # group 4
-        ("auto", torch.float32, 1e-5, 8, 1, 64, 32, 20),  # group 8, windowed
         ("int8", torch.bfloat16, 2e-2, 8, 2, 64, 16, 7),  # windowed within a block
-        ("int8", torch.float32, 1e-5, 8, 1, 128, 32, None),
+        ("int8", torch.float32, 1e-5, 8, 1, 128, 32, 20),  # group 8, windowed
         ("fp8", torch.bfloat16, 2e-2, 4, 1, 64, 32, None),
         ("fp8", torch.float32, 1e-5, 2, 2, 128, 16, 33),  # group 1, a window across tiles
         ("auto", torch.float32, 1e-5, 6, 2, 80, 16, None),  # group 3, head size not a power of two
@@ -357,15 +360,73 @@ def test_the_grid_covers_every_query_block() -> None:
 
 
 def test_launch_shapes_fill_a_dot() -> None:
-    assert launch_shape(1, 4) == (1, 16)  # decodes: one query per block
-    assert launch_shape(1, 32) == (1, 32)
-    assert launch_shape(500, 1) == (64, 64)
-    assert launch_shape(500, 4) == (16, 64)
-    assert launch_shape(500, 3) == (16, 64)  # group padded to 4
-    assert launch_shape(3, 8) == (4, 32)
-    assert launch_shape(500, 8, block_q=2) == (2, 16)
+    def shape(max_query_len: int, group: int, **pinned: int) -> tuple[int, int, int]:
+        chosen = launch_shape(max_query_len, group, 128, torch.bfloat16, **pinned)
+        return chosen.block_q, chosen.block_m, chosen.tile
+
+    assert shape(1, 4) == (1, 16, 64)  # decodes: one query per block
+    assert shape(1, 32) == (1, 32, 32)  # a wide group: shorter tiles
+    assert shape(500, 1) == (64, 64, 32)
+    assert shape(500, 4) == (16, 64, 32)
+    assert shape(500, 3) == (16, 64, 32)  # group padded to 4
+    assert shape(3, 8) == (4, 32, 32)
+    assert shape(500, 8, block_q=2, tile=16) == (2, 16, 16)
     with pytest.raises(ValueError, match="power of two"):
-        launch_shape(10, 4, block_q=3)
+        shape(10, 4, block_q=3)
+    with pytest.raises(ValueError, match="at least 16"):
+        shape(10, 4, tile=8)
+
+
+# Compiles the kernel for sm_90 in a fresh interpreter (this process runs Triton's interpreter).
+_COMPILE_FOR_HOPPER = """
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from service.engine.torch import triton_unified_attention as unified
+
+kernel = unified._unified_attention_kernel
+pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16",
+            "tables_ptr": "*i32", "qsl_ptr": "*i32", "lens_ptr": "*i32"}
+for max_query_len, cache_dtype, windowed in ((1, "auto", False), (500, "fp8", True)):
+    shape = unified.launch_shape(max_query_len, 4, 128, torch.bfloat16)
+    constexprs = unified.kernel_constexprs(
+        shape, group=4, head_dim=128, block_size=16, cache_dtype=cache_dtype, dtype=torch.bfloat16,
+        windowed=windowed, own_kv=windowed, interpreted=False,
+    )
+    cache = "*u8" if cache_dtype == "fp8" else "*bf16"
+    kinds = {**pointers, "cache_ptr": cache, "scale_ptr": "*fp16" if cache_dtype == "fp8" else cache,
+             "sm_scale": "fp32"}
+    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    options = {"num_warps": shape.num_warps}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm["cubin"], "no cubin"
+    print(max_query_len, cache_dtype, shape, "compiled")
+"""
+
+
+@needs_triton
+def test_the_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    """The interpreter accepts Python the compiler rejects: both launch shapes (decode-only, and
+    mixed with an fp8 cache, a window and this step's own keys) compile to sm_90 machine code with
+    the ptxas Triton ships, no GPU needed."""
+    import triton
+
+    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*")):
+        pytest.skip("this Triton build ships no ptxas to compile for a GPU")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 2
 
 
 @needs_triton

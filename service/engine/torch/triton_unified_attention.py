@@ -57,6 +57,8 @@ step where bitwise invariance matters (decode-only steps then waste rows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from service.engine.torch.triton_attention import QUANT_CODES
@@ -291,10 +293,26 @@ if triton is not None:
         )
 
 
-def launch_shape(max_query_len: int, group: int, block_q: int | None = None) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_M) for a step whose longest query run is `max_query_len`: one query per
-    block when every sequence decodes, else about PREFILL_BLOCK_ROWS rows; `block_q` (a power of
-    two) pins it. BLOCK_M is at least 16, tl.dot's minimum."""
+@dataclass(frozen=True)
+class LaunchShape:
+    block_q: int  # query positions per program (a power of two)
+    block_m: int  # matmul rows: block_q x the padded query group, at least 16
+    tile: int  # key positions per iteration (a power of two, at least 16)
+    num_warps: int
+
+
+def launch_shape(
+    max_query_len: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_q: int | None = None,
+    tile: int | None = None,
+) -> LaunchShape:
+    """The kernel's block shape for a step whose longest query run is `max_query_len`: one query
+    per block when every sequence decodes (tiles of 64 keys), else about PREFILL_BLOCK_ROWS rows
+    (tiles of 32); `block_q` and `tile` pin it. Eight warps where a block's largest operand would
+    otherwise spill registers on sm_90 (checked with ptxas, not timed: tune on a GPU)."""
     group_pad = _next_power_of_2(group)
     if block_q is None:
         if max_query_len <= 1:
@@ -303,7 +321,45 @@ def launch_shape(max_query_len: int, group: int, block_q: int | None = None) -> 
             block_q = min(_next_power_of_2(max_query_len), max(1, PREFILL_BLOCK_ROWS // group_pad))
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q {block_q} must be a power of two")
-    return block_q, max(DOT_MIN, block_q * group_pad)
+    block_m = max(DOT_MIN, block_q * group_pad)
+    if tile is None:
+        tile = 64 if block_m <= DOT_MIN else 32
+    if tile < DOT_MIN or tile & (tile - 1):
+        raise ValueError(f"tile {tile} must be a power of two of at least {DOT_MIN}")
+    widest = max(block_m, tile) * _next_power_of_2(head_dim) * (2 if dtype == torch.float32 else 1)
+    return LaunchShape(block_q, block_m, tile, 8 if widest >= 64 * 128 else 4)
+
+
+def kernel_constexprs(
+    shape: LaunchShape,
+    *,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: str,
+    dtype: torch.dtype,
+    windowed: bool,
+    own_kv: bool,
+    interpreted: bool,
+) -> dict[str, int | bool | str]:
+    """The kernel's compile-time arguments for one launch (the launcher's, and what a test
+    compiles ahead of time for a GPU)."""
+    return {
+        "GROUP": group,
+        "GROUP_PAD": _next_power_of_2(group),
+        "BLOCK_Q": shape.block_q,
+        "SLACK": grid_slack(shape.block_q),
+        "BLOCK_M": shape.block_m,
+        "HEAD_DIM": head_dim,
+        "HEAD_PAD": _next_power_of_2(head_dim),
+        "BLOCK_SIZE": block_size,
+        "TILE": shape.tile,
+        "QUANT": QUANT_CODES.get(cache_dtype, 0),
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 or interpreted else "tf32",
+        "COMPUTE_F32": interpreted,
+        "WINDOWED": windowed,
+        "OWN_KV": own_kv,
+    }
 
 
 def grid_slack(block_q: int) -> int:
@@ -343,8 +399,9 @@ def paged_unified_attention(
     already written; block_tables: [S, W] integer; query_start_loc: [S + 1] integer, starting at 0,
     non-decreasing, at most T; seq_lens: [S] integer, each sequence's context length after this
     step (>= its query length). The three may be views of static buffers; none is read on the host.
-    `max_query_len` (host-known; any upper bound works) picks the block shape; `block_q` and `tile`
-    pin it. `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
+    `max_query_len` (host-known) picks the block shape only: any value gives the same attention
+    (to rounding), the right one the fastest shape; `block_q` and `tile` pin the shape.
+    `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
     `window`: each query sees only the last `window` positions up to its own. `new_kv`: this
     step's keys and values as computed, [T, Hkv, D] each with q's rows (the same strides): a query
     then attends to them rather than to their stored copies (what a quantized cache rounds), as the
@@ -356,10 +413,9 @@ def paged_unified_attention(
     _, num_kv_heads, num_blocks, block_size, cache_dim = cache.shape
     num_seqs = seq_lens.shape[0]
     _check_shapes(q, cache_dim, num_kv_heads, block_tables, query_start_loc, num_seqs)
-    quant = QUANT_CODES.get(cache_dtype, 0)
     if window is not None and window < 1:
         raise ValueError(f"attention window {window} must be at least 1")
-    if quant and scales is None:
+    if cache_dtype in QUANT_CODES and scales is None:
         raise ValueError(f"a {cache_dtype} cache needs its scales")
     if max_query_len < 1:
         raise ValueError(f"max_query_len {max_query_len} must be at least 1")
@@ -371,21 +427,26 @@ def paged_unified_attention(
     if new_kv is not None:
         _check_new_kv(new_k, new_v, (num_tokens, num_kv_heads, head_dim))
     group = num_heads // num_kv_heads
-    block_q, block_m = launch_shape(max_query_len, group, block_q)
-    if tile is None:
-        tile = 64 if block_m <= DOT_MIN else 32
-    if tile < DOT_MIN or tile & (tile - 1):
-        raise ValueError(f"tile {tile} must be a power of two of at least {DOT_MIN}")
+    shape = launch_shape(max_query_len, group, head_dim, q.dtype, block_q, tile)
     # CPU tensors reach a Triton kernel only in Triton's interpreter (tests without a GPU), which
     # runs in numpy without bfloat16 arithmetic: the kernel then computes in float32 throughout.
-    interpreted = q.device.type == "cpu"
+    constexprs = kernel_constexprs(
+        shape,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        dtype=q.dtype,
+        windowed=window is not None,
+        own_kv=new_kv is not None,
+        interpreted=q.device.type == "cpu",
+    )
     head_stride = num_blocks * block_size * head_dim
-    scale_arg = scales if scales is not None else cache  # unused when QUANT == 0
-    grid = (grid_blocks(num_tokens, num_seqs, block_q), num_kv_heads)
+    grid = (grid_blocks(num_tokens, num_seqs, shape.block_q), num_kv_heads)
     _unified_attention_kernel[grid](
         q,
         cache,
-        scale_arg,
+        scales if scales is not None else cache,  # unused when the cache is not quantized
         block_tables,
         query_start_loc,
         seq_lens,
@@ -409,20 +470,8 @@ def paged_unified_attention(
         head_stride,
         num_kv_heads * num_blocks * block_size,
         num_blocks * block_size,
-        GROUP=group,
-        GROUP_PAD=_next_power_of_2(group),
-        BLOCK_Q=block_q,
-        SLACK=grid_slack(block_q),
-        BLOCK_M=block_m,
-        HEAD_DIM=head_dim,
-        HEAD_PAD=_next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        TILE=tile,
-        QUANT=quant,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        COMPUTE_F32=interpreted,
-        WINDOWED=window is not None,
-        OWN_KV=new_kv is not None,
+        num_warps=shape.num_warps,
+        **constexprs,
     )
     return out
 
