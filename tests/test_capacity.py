@@ -45,6 +45,7 @@ from service.engine.torch.memory_budget import (
 from service.engine.torch.rank_loading import (
     DEFAULT_KV_FRACTION,
     KVCacheTooSmallError,
+    decode_graph_batches,
     resolve_step_limits,
     size_kv_cache,
 )
@@ -299,3 +300,16 @@ def test_cpu_server_reports_its_limits(tmp_path: Path) -> None:
     assert re.search(r"^num_request_max 64\.0$", metrics, re.MULTILINE), metrics
     log = server.log()
     assert "step capacity: 64 sequences (default for CPU; NIM_MAX_NUM_SEQS sets it), 1024 tokens" in log
+
+
+def test_graph_batches_follow_the_decodes_a_step_can_hold() -> None:
+    """Graphs up to max_num_seqs, or to the token budget when that is smaller; none where the
+    engine captures none (CPU, eager, no kernel, tensor parallelism)."""
+    config = engine_config(max_num_seqs=200, max_num_batched_tokens=1000)
+    assert decode_graph_batches(config, CUDA, True, 512) == batch_buckets(200)
+    small_budget = engine_config(max_num_seqs=200, max_num_batched_tokens=100)
+    assert decode_graph_batches(small_budget, CUDA, True, 512)[-1] == 100
+    assert decode_graph_batches(config, torch.device("cpu"), True, 512) == []
+    assert decode_graph_batches(config, CUDA, False, 512) == []
+    assert decode_graph_batches(config, CUDA, True, 512, ranks=2) == []
+    assert decode_graph_batches(engine_config(enforce_eager=True), CUDA, True, 512) == []

@@ -123,3 +123,10 @@ def test_probe_peaks_grow_with_the_step() -> None:
     small = probe.peak_bytes(largest_step(256, 256, 2048))
     large = probe.peak_bytes(largest_step(4096, 256, 2048))
     assert 0 < small < large
+
+
+def test_graphs_stop_at_the_token_budget() -> None:
+    """A decode step never holds more sequences than the budget has tokens: no graph beyond it."""
+    engine = engine_for(device="cuda", max_num_seqs=64, max_num_batched_tokens=40)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.buckets[-1] == 40

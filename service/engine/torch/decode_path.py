@@ -63,7 +63,9 @@ class DecodePath:
 class DecodeOptions:
     """What the path is decided from: `kernel` (the Triton paged kernel runs here: CUDA graphs
     need it), `enforce_eager` (NIM_ENFORCE_EAGER: neither graphs nor the TorchScript step), the
-    batch and context the graphs cover, and whether tensor-parallel ranks run beside this one."""
+    batch and context the graphs cover (the batch: max_num_seqs, or the token budget when that is
+    smaller, since a decode step never holds more sequences than it has tokens), and whether
+    tensor-parallel ranks run beside this one."""
 
     kernel: bool
     enforce_eager: bool

@@ -218,7 +218,7 @@ class TorchEngine:
         options = DecodeOptions(
             kernel=config.decode_kernel,
             enforce_eager=config.enforce_eager,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),  # decodes in a step
             max_model_len=config.max_model_len,
             tensor_parallel=tp_group is not None,
         )

@@ -108,10 +108,7 @@ class RankLoad:
         if device.type != "cuda" or ranks > 1:
             return None
         limits = config.scheduler
-        options = DecodeOptions(
-            self.decode_kernel, config.enforce_eager, limits.max_num_seqs, self.max_model_len
-        )
-        graphs = batch_buckets(limits.max_num_seqs) if captures_graphs(device, options) else []
+        graphs = decode_graph_batches(config, device, self.decode_kernel, self.max_model_len)
         probe = CudaStepProbe(self.model, self.kv_spec, device, self.decode_kernel, self.lora)
 
         def measure() -> Reservations:
@@ -125,6 +122,18 @@ class RankLoad:
             )
 
         return measure
+
+
+def decode_graph_batches(
+    config: EngineConfig, device: torch.device, kernel: bool, max_model_len: int, ranks: int = 1
+) -> list[int]:
+    """The batch sizes the engine will capture decode graphs for; [] where it captures none.
+    The largest is max_num_seqs, or the token budget when smaller: a decode step never holds more
+    sequences than it has tokens (the engine builds its DecodeOptions the same way)."""
+    limits = config.scheduler
+    decodes = min(limits.max_num_seqs, limits.max_num_batched_tokens)
+    options = DecodeOptions(kernel, config.enforce_eager, decodes, max_model_len, ranks > 1)
+    return batch_buckets(decodes) if captures_graphs(device, options) else []
 
 
 def resolve_step_limits(config: EngineConfig, device: torch.device) -> EngineConfig:
