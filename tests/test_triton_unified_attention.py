@@ -219,15 +219,13 @@ def test_window_edges(window: int) -> None:
     than any context (the same as none)."""
     step = _step("auto", torch.float32, 4, 2, 64, 16, [(30, 1), (9, 24), (0, 12)], seed=window)
     _assert_close(step.attend(window), _dense(step, window), 1e-5)
-    if window == 1000:
-        assert torch.equal(step.attend(window), step.attend(None))
 
 
 @needs_triton
-@pytest.mark.parametrize("block_q", [1, 4, 32])
+@pytest.mark.parametrize("block_q", [1, 32])
 def test_any_query_block_gives_the_same_attention(block_q: int) -> None:
-    """Query blocks smaller and larger than the chunks (one query per program, several blocks per
-    chunk, a block holding a whole chunk) all agree with the dense reference."""
+    """One query per program (the decode shape, here over prefill chunks) and blocks larger than
+    any chunk (chunks starting mid-block) agree with the dense reference."""
     seqs = [(15, 1), (16, 9), (0, 0), (5, 12)]
     step = _step("auto", torch.float32, 8, 2, 64, 16, seqs, pad_tokens=5, seed=block_q)
     got = step.attend(None, block_q=block_q, tile=16)
@@ -240,7 +238,8 @@ def test_any_query_block_gives_the_same_attention(block_q: int) -> None:
 def test_this_steps_keys_and_values_as_computed(cache_dtype: str, window: int | None) -> None:
     """With new_kv, this step's positions are attended as computed, not as the quantized cache
     stores them; q, k and v here are views of one fused projection output (strided rows)."""
-    step = _step(cache_dtype, torch.float32, 8, 2, 64, 16, MIXED, pad_tokens=2, seed=5)
+    seqs = [(15, 1), (16, 9), (0, 0), (5, 12), (0, 7)]
+    step = _step(cache_dtype, torch.float32, 8, 2, 64, 16, seqs, pad_tokens=2, seed=5)
     tokens, heads, head_dim = step.q.shape
     qkv = torch.randn(tokens, heads + 4, head_dim, device=DEVICE)
     qkv[:, :heads] = step.q
@@ -360,17 +359,21 @@ def test_the_grid_covers_every_query_block() -> None:
 
 
 def test_launch_shapes_fill_a_dot() -> None:
-    def shape(max_query_len: int, group: int, **pinned: int) -> tuple[int, int, int]:
-        chosen = launch_shape(max_query_len, group, 128, torch.bfloat16, **pinned)
-        return chosen.block_q, chosen.block_m, chosen.tile
+    def shape(max_query_len: int, group: int, **pinned: Any) -> tuple[int, int, int, int]:
+        dtype = pinned.pop("dtype", torch.bfloat16)
+        cache_dtype = pinned.pop("cache_dtype", "auto")
+        chosen = launch_shape(max_query_len, group, 128, dtype, cache_dtype, **pinned)
+        return chosen.block_q, chosen.block_m, chosen.tile, chosen.num_warps
 
-    assert shape(1, 4) == (1, 16, 64)  # decodes: one query per block
-    assert shape(1, 32) == (1, 32, 32)  # a wide group: shorter tiles
-    assert shape(500, 1) == (64, 64, 32)
-    assert shape(500, 4) == (16, 64, 32)
-    assert shape(500, 3) == (16, 64, 32)  # group padded to 4
-    assert shape(3, 8) == (4, 32, 32)
-    assert shape(500, 8, block_q=2, tile=16) == (2, 16, 16)
+    assert shape(1, 4) == (1, 16, 64, 8)  # decodes: one query per block
+    assert shape(1, 4, cache_dtype="int8") == (1, 16, 32, 8)  # dequantizing takes registers
+    assert shape(1, 32) == (1, 32, 32, 8)  # a wide group: shorter tiles
+    assert shape(500, 1) == (64, 64, 32, 8)
+    assert shape(500, 4) == (16, 64, 32, 8)
+    assert shape(500, 3) == (16, 64, 32, 8)  # group padded to 4
+    assert shape(3, 8) == (4, 32, 32, 8)
+    assert shape(500, 4, dtype=torch.float32) == (8, 32, 16, 8)
+    assert shape(500, 8, block_q=2, tile=16) == (2, 16, 16, 4)
     with pytest.raises(ValueError, match="power of two"):
         shape(10, 4, block_q=3)
     with pytest.raises(ValueError, match="at least 16"):
@@ -390,7 +393,7 @@ kernel = unified._unified_attention_kernel
 pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16",
             "tables_ptr": "*i32", "qsl_ptr": "*i32", "lens_ptr": "*i32"}
 for max_query_len, cache_dtype, windowed in ((1, "auto", False), (500, "fp8", True)):
-    shape = unified.launch_shape(max_query_len, 4, 128, torch.bfloat16)
+    shape = unified.launch_shape(max_query_len, 4, 128, torch.bfloat16, cache_dtype)
     constexprs = unified.kernel_constexprs(
         shape, group=4, head_dim=128, block_size=16, cache_dtype=cache_dtype, dtype=torch.bfloat16,
         windowed=windowed, own_kv=windowed, interpreted=False,
@@ -408,7 +411,7 @@ for max_query_len, cache_dtype, windowed in ((1, "auto", False), (500, "fp8", Tr
 
 
 @needs_triton
-def test_the_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+def test_the_kernel_compiles_for_hopper(pytestconfig: pytest.Config, tmp_path: Path) -> None:
     """The interpreter accepts Python the compiler rejects: both launch shapes (decode-only, and
     mixed with an fp8 cache, a window and this step's own keys) compile to sm_90 machine code with
     the ptxas Triton ships, no GPU needed."""
@@ -416,7 +419,10 @@ def test_the_kernel_compiles_for_hopper(tmp_path: Path) -> None:
 
     if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*")):
         pytest.skip("this Triton build ships no ptxas to compile for a GPU")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    # Triton's cache is keyed by the kernel's source: pytest's cache keeps compiles between runs.
+    cache = getattr(pytestconfig, "cache", None)
+    cache_dir = cache.mkdir("triton-sm90") if cache is not None else tmp_path
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache_dir)}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER],
         cwd=Path(__file__).resolve().parent.parent,

@@ -64,9 +64,6 @@ import torch
 from service.engine.torch.triton_attention import QUANT_CODES
 from service.engine.triton_support import tl, triton
 
-# Rows of a query block's matmul (query tokens x grouped heads) the launcher aims for in a step
-# with prefill chunks; decode-only steps use one query per block.
-PREFILL_BLOCK_ROWS = 64
 DOT_MIN = 16  # tl.dot's smallest dimension on a GPU
 
 if triton is not None:
@@ -306,28 +303,36 @@ def launch_shape(
     group: int,
     head_dim: int,
     dtype: torch.dtype,
+    cache_dtype: str,
     block_q: int | None = None,
     tile: int | None = None,
 ) -> LaunchShape:
     """The kernel's block shape for a step whose longest query run is `max_query_len`: one query
-    per block when every sequence decodes (tiles of 64 keys), else about PREFILL_BLOCK_ROWS rows
-    (tiles of 32); `block_q` and `tile` pin it. Eight warps where a block's largest operand would
-    otherwise spill registers on sm_90 (checked with ptxas, not timed: tune on a GPU)."""
+    per block when every sequence decodes, else about 64 matmul rows (32 for float32); `block_q`
+    and `tile` pin it. Tiles of 64 keys for decodes over a 16-bit cache, of 32 otherwise (16 for
+    float32), and eight warps from 4096-element operands up: shapes that compile for sm_90
+    without register spills (checked with ptxas; float32's exact dots are the costliest, used for
+    correctness rather than speed). Not timed: tune on a GPU."""
+    float32 = dtype == torch.float32
     group_pad = _next_power_of_2(group)
     if block_q is None:
-        if max_query_len <= 1:
-            block_q = 1
-        else:
-            block_q = min(_next_power_of_2(max_query_len), max(1, PREFILL_BLOCK_ROWS // group_pad))
+        rows = 32 if float32 else 64
+        block_q = 1 if max_query_len <= 1 else min(_next_power_of_2(max_query_len), max(1, rows // group_pad))
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q {block_q} must be a power of two")
     block_m = max(DOT_MIN, block_q * group_pad)
     if tile is None:
-        tile = 64 if block_m <= DOT_MIN else 32
+        tile = _default_tile(block_m, float32, cache_dtype in QUANT_CODES)
     if tile < DOT_MIN or tile & (tile - 1):
         raise ValueError(f"tile {tile} must be a power of two of at least {DOT_MIN}")
-    widest = max(block_m, tile) * _next_power_of_2(head_dim) * (2 if dtype == torch.float32 else 1)
-    return LaunchShape(block_q, block_m, tile, 8 if widest >= 64 * 128 else 4)
+    widest = max(block_m, tile) * _next_power_of_2(head_dim)
+    return LaunchShape(block_q, block_m, tile, 8 if float32 or widest >= 64 * 64 else 4)
+
+
+def _default_tile(block_m: int, float32: bool, quantized: bool) -> int:
+    if float32:
+        return 16
+    return 64 if block_m <= DOT_MIN and not quantized else 32
 
 
 def kernel_constexprs(
@@ -427,7 +432,7 @@ def paged_unified_attention(
     if new_kv is not None:
         _check_new_kv(new_k, new_v, (num_tokens, num_kv_heads, head_dim))
     group = num_heads // num_kv_heads
-    shape = launch_shape(max_query_len, group, head_dim, q.dtype, block_q, tile)
+    shape = launch_shape(max_query_len, group, head_dim, q.dtype, cache_dtype, block_q, tile)
     # CPU tensors reach a Triton kernel only in Triton's interpreter (tests without a GPU), which
     # runs in numpy without bfloat16 arithmetic: the kernel then computes in float32 throughout.
     constexprs = kernel_constexprs(
