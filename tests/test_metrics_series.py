@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from service.config import Settings
+from service.engine.config import CPU_MAX_NUM_SEQS
 from tests.conftest import EMBEDDED_NAME
 
 # vLLM's buckets, as vllm/v1/metrics/loggers.py declares them (written out here, not imported from
@@ -198,7 +198,7 @@ def test_every_series_moves_as_requests_are_served(
     # NIM's gauges are there; num_request_max is the engine's batch limit (NIM_MAX_NUM_SEQS).
     for gauge in ("num_requests_running", "num_requests_waiting", "gpu_cache_usage_perc"):
         assert gauge in after, gauge
-    assert after["num_request_max"] == Settings.model_fields["max_num_seqs"].default
+    assert after["num_request_max"] == CPU_MAX_NUM_SEQS  # the CPU default (NIM_MAX_NUM_SEQS unset)
 
 
 def test_phases_add_up(run: tuple[dict[str, float], dict[str, float], list[Sent]]) -> None:
