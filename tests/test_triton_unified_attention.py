@@ -382,7 +382,6 @@ def test_launch_shapes_fill_a_dot() -> None:
 
 # Compiles the kernel for sm_90 in a fresh interpreter (this process runs Triton's interpreter).
 _COMPILE_FOR_HOPPER = """
-import sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -398,6 +397,8 @@ for max_query_len, cache_dtype, windowed in ((1, "auto", False), (500, "fp8", Tr
         shape, group=4, head_dim=128, block_size=16, cache_dtype=cache_dtype, dtype=torch.bfloat16,
         windowed=windowed, own_kv=windowed, interpreted=False,
     )
+    if windowed:  # a launch's integer arguments equal to 1 become compile-time constants
+        constexprs.update(num_seqs=1, num_tokens=1, window=1, stride_qsl=1, stride_lens=1)
     cache = "*u8" if cache_dtype == "fp8" else "*bf16"
     kinds = {**pointers, "cache_ptr": cache, "scale_ptr": "*fp16" if cache_dtype == "fp8" else cache,
              "sm_scale": "fp32"}
@@ -413,8 +414,9 @@ for max_query_len, cache_dtype, windowed in ((1, "auto", False), (500, "fp8", Tr
 @needs_triton
 def test_the_kernel_compiles_for_hopper(pytestconfig: pytest.Config, tmp_path: Path) -> None:
     """The interpreter accepts Python the compiler rejects: both launch shapes (decode-only, and
-    mixed with an fp8 cache, a window and this step's own keys) compile to sm_90 machine code with
-    the ptxas Triton ships, no GPU needed."""
+    mixed with an fp8 cache, a window, this step's own keys and the integer arguments a launch
+    with one sequence specializes to constants) compile to sm_90 machine code with the ptxas
+    Triton ships, no GPU needed."""
     import triton
 
     if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*")):
