@@ -252,7 +252,14 @@ def test_this_steps_keys_and_values_as_computed(cache_dtype: str, window: int | 
 @needs_triton
 @pytest.mark.parametrize(("cache_dtype", "window"), [("auto", None), ("int8", 20), ("fp8", None)])
 def test_decode_only_step_agrees_with_the_decode_kernel(cache_dtype: str, window: int | None) -> None:
+    """A decode-only step, its metadata in int64 as the model runner builds it today."""
     step = _step(cache_dtype, torch.float32, 8, 2, 64, 16, [(c, 1) for c in (0, 14, 15, 31, 70)], seed=3)
+    step = replace(
+        step,
+        tables=step.tables.long(),
+        query_start_loc=step.query_start_loc.long(),
+        seq_lens=step.seq_lens.long(),
+    )
     got = step.attend(window)
     want = paged_decode_attention(
         step.q,
