@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -61,8 +62,16 @@ def make_config(**overrides: object) -> EngineConfig:
     return config_for(load_settings(**{**SETTINGS, **overrides}))
 
 
+# The engine process's OpenMP threads sleep rather than spin while they wait for each other: on this
+# shared two-core machine spinning threads spend each other's time slices (a CPU step was 4-5x slower
+# in the engine process, which owns exactly as many OpenMP threads as there are cores, than in the
+# test's process, whose extra pools make GNU OpenMP throttle its spinning). Results do not change.
+PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def start_process_engine(fatal: list[BaseException] | None = None, **overrides: object) -> ProcessEngine:
-    loaded = load_in_process(make_config(**overrides), None if fatal is None else fatal.append)
+    with mock.patch.dict(os.environ, PASSIVE_OPENMP):  # read by the spawned process as it starts
+        loaded = load_in_process(make_config(**overrides), None if fatal is None else fatal.append)
     assert isinstance(loaded.engine, ProcessEngine)
     asyncio.run(loaded.engine.start())
     return loaded.engine
@@ -318,7 +327,8 @@ if __name__ == "__main__":
 def test_the_engine_process_leaves_when_the_api_process_dies(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(PARENT.format(settings=SETTINGS)))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NIM_")}, "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
+    env.update({"PYTHONPATH": str(REPO), **PASSIVE_OPENMP})
     parent = subprocess.Popen(
         [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )
@@ -368,7 +378,7 @@ def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: P
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(HOOK + FAULT)
     path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
-    server = start_server(tmp_path / "log", env={"PYTHONPATH": path})
+    server = start_server(tmp_path / "log", env={"PYTHONPATH": path, **PASSIVE_OPENMP})
     try:
         wait_ready(server)
         line = next(x for x in server.log().splitlines() if "the engine core runs in process" in x)

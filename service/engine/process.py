@@ -7,11 +7,13 @@ interpreter lock (vLLM's EngineCore behind AsyncLLM is the model).
     per-request queues <- reader thread <--- pipe ------- one Update per step: the step's
                           (one wake-up per loop)          outputs, the stats, the adapters
 
-The engine process builds whatever `load_engine` builds from the same EngineConfig and serves it
-through the `Engine` protocol: this module knows no engine's internals. What crosses the pipe is
-plain data, the protocol's own dataclasses (GenerationRequest in, RequestOutput, EngineStats and
-EngineInfo out) wrapped in the small messages below, pickled: the pipe is a private socket pair
-between this process and the one it spawned, never a listening socket, and no weights cross it.
+The engine process (service.engine.process_core, which also defines the messages) builds whatever
+`load_engine` builds from the same EngineConfig and serves it through the `Engine` protocol: no
+engine's internals are known here. What crosses the pipe is plain data, the protocol's own
+dataclasses (GenerationRequest in, RequestOutput, EngineStats and EngineInfo out) in small frozen
+messages, pickled: the pipe is a private socket pair between this process and the one it spawned,
+never a listening socket, and no weights cross it. The two processes share CLOCK_MONOTONIC, so the
+times in outputs (time.monotonic()) compare with the API's arrival times as in process.
 The API process keeps the tokenizer (read again from the model's files, as the engine reads it)
 and a mirror of the LoRA adapter names, which the engine process pushes when they change.
 
@@ -36,28 +38,42 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import functools
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Literal, TypeVar
+from typing import Literal
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.lora_store import UnknownAdapterError
+from service.engine.process_core import (
+    Abort,
+    CancelCheck,
+    Check,
+    Checked,
+    ChildSetup,
+    Died,
+    Failed,
+    FromEngine,
+    Loaded,
+    Start,
+    Started,
+    Stop,
+    Submit,
+    ToEngine,
+    Update,
+    engine_main,
+)
 from service.engine.protocol import (
-    Engine,
     EngineDeadError,
     EngineInfo,
     EngineStats,
@@ -67,119 +83,14 @@ from service.engine.protocol import (
 )
 from service.telemetry.logging import JSONLinesFormatter
 from service.text.tokenizer import Tokenizer
-from service.util import on_new_thread, one_line
 
 log = logging.getLogger(__name__)
 
 EngineProcessMode = Literal["auto", "on", "off"]  # NIM_ENGINE_PROCESS
-STATS_TICK_S = 0.05  # how often the engine process sends stats or adapters that changed off-step
-PARENT_POLL_S = 1.0  # how often the engine process checks that the API process still runs
-DRAIN_S = 10.0  # how long the engine process waits for its requests' last outputs when ending
 STOP_TIMEOUT_S = 40.0  # a stop: the engine's own (its thread joins in 30 s, then its ranks)
 KILL_GRACE_S = 5.0  # after terminate, before kill
 
 FatalCallback = Callable[[BaseException], None]
-K = TypeVar("K")
-
-
-# --- Messages: API process -> engine process (sent as a list, a batch at a time) -----------------
-
-
-@dataclass(frozen=True)
-class Submit:
-    request: GenerationRequest
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Check:
-    call_id: int
-    request: GenerationRequest
-
-
-@dataclass(frozen=True)
-class CancelCheck:
-    call_id: int
-
-
-@dataclass(frozen=True)
-class Start:
-    pass
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-ToEngine = Submit | Abort | Check | CancelCheck | Start | Stop
-
-
-# --- Messages: engine process -> API process ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Loaded:
-    info: EngineInfo
-    adapters: tuple[str, ...] | None  # None: the engine serves no adapters
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Loading or starting failed; the engine process exits after sending this."""
-
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class Started:
-    pass
-
-
-@dataclass(frozen=True)
-class Update:
-    """One step's outputs (any number of requests), with the stats and adapter names where they
-    changed since the last Update (None: unchanged)."""
-
-    outputs: list[RequestOutput]
-    stats: EngineStats | None = None
-    adapters: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Checked:
-    call_id: int
-    error: BaseException | None  # None: the engine would run the request
-
-
-@dataclass(frozen=True)
-class Died:
-    """The step loop failed: `message` is the engine's `failure`, `error` what it raised."""
-
-    message: str
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class Stopped:
-    pass
-
-
-FromEngine = Loaded | Failed | Started | Update | Checked | Died | Stopped
-
-
-def portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling (its type and message arrive whole), else a RuntimeError
-    carrying its type and message in one line."""
-    try:
-        copy: BaseException = pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(one_line(exc, with_type=True))
-    return copy
 
 
 # --- The choice ---------------------------------------------------------------------------------
@@ -218,17 +129,7 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer:
     return Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
 
 
-# --- API process --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChildSetup:
-    """What the engine process needs besides its pipe; pickled into the spawned process."""
-
-    config: EngineConfig
-    log_level: int
-    jsonl_logs: bool
-    parent_pid: int
+# --- Loading -------------------------------------------------------------------------------------
 
 
 def load_in_process(config: EngineConfig, on_fatal: FatalCallback | None = None) -> LoadedEngine:
@@ -385,7 +286,8 @@ class ProcessEngine:
         if error is not None:
             await asyncio.to_thread(self._reap, STOP_TIMEOUT_S)
             raise error
-        self._ready = True
+        with self._lock:
+            self._ready = not self._exit_expected  # a stop that came while it started wins
 
     async def stop(self) -> None:
         """The engine stops (what is in flight ends with an abort), then its process exits."""
@@ -559,11 +461,13 @@ class ProcessEngine:
                 loop.call_soon_threadsafe(_put_all, items)
         for call in calls:
             _settle(call, None)  # nothing refused: generate reports the dead engine
-        if starting is not None:
+        if starting is not None:  # start raises it, as a warm-up failure in process does
             _settle(starting, EngineDeadError(self._failure or _describe_exit(self.process)))
         if expected:
             return
         log.error("engine process: %s", self._failure)
+        if starting is not None:
+            return
         if self.on_fatal is not None:
             error = self._death.error if self._death is not None else EngineDeadError(self._failure)
             self.on_fatal(error)
@@ -604,234 +508,3 @@ def _settle(call: _Call, error: BaseException | None) -> None:
 
     with contextlib.suppress(RuntimeError):  # its loop is closed: nobody awaits it
         loop.call_soon_threadsafe(settle)
-
-
-# --- Engine process -----------------------------------------------------------------------------
-
-
-def engine_main(setup: ChildSetup, conn: Connection) -> None:
-    """The engine process's whole life (the spawned process's target)."""
-    from service.telemetry.logging import configure_logging
-
-    # A terminal's ^C reaches the whole process group: stopping is the API process's to decide.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(logging.getLevelName(setup.log_level), setup.jsonl_logs)
-    code = 1
-    try:
-        code = asyncio.run(_serve(setup, conn))
-    except BaseException:
-        log.exception("engine process failed")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no atexit or thread joins that could wait on a dead engine
-
-
-def _forget(tasks: dict[K, asyncio.Task[None]], key: K, task: asyncio.Task[None]) -> None:
-    """A finished task leaves its table (unless another took its key meanwhile)."""
-    if tasks.get(key) is task:
-        del tasks[key]
-
-
-async def _serve(setup: ChildSetup, conn: Connection) -> int:
-    return await EngineCore(setup, conn).run()
-
-
-class EngineCore:
-    """The engine process's side: the engine, its event loop, and the pipe to the API process."""
-
-    def __init__(self, setup: ChildSetup, conn: Connection) -> None:
-        self.setup = setup
-        self.conn = conn
-        self.loop = asyncio.get_running_loop()
-        self.done: asyncio.Future[int] = self.loop.create_future()  # the exit code
-        self.loaded: asyncio.Future[LoadedEngine] = self.loop.create_future()
-        self.requests: dict[str, asyncio.Task[None]] = {}
-        self.checks: dict[int, asyncio.Task[None]] = {}
-        self.pending: list[RequestOutput] = []
-        self.flush_scheduled = False
-        self.sent_stats: EngineStats | None = None
-        self.sent_adapters: tuple[str, ...] | None = None
-        self.send_lock = threading.Lock()
-
-    @property
-    def engine(self) -> Engine:
-        return self.loaded.result().engine
-
-    async def run(self) -> int:
-        threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
-        config = self.setup.config
-        from service.engine.registry import load_engine  # the registry imports no engine package
-
-        try:
-            loaded = await on_new_thread(load_engine, config, self._died, name="engine-load")
-        except Exception as exc:
-            log.error("engine process: loading failed: %s", one_line(exc, with_type=True))
-            self.send(Failed(portable(exc)))
-            return 1
-        self.loaded.set_result(loaded)
-        self.sent_adapters = self._adapter_names()
-        self.send(Loaded(loaded.info, self.sent_adapters))
-        return await self.done
-
-    # --- From the API process -------------------------------------------------------------------------
-
-    def _read(self) -> None:
-        """The reader thread: messages to the event loop; the API process gone, this one goes."""
-        while True:
-            try:
-                if not self.conn.poll(PARENT_POLL_S):
-                    if os.getppid() != self.setup.parent_pid:
-                        raise EOFError
-                    continue
-                batch: list[ToEngine] = self.conn.recv()
-            except (EOFError, OSError):
-                log.error("engine process: the API process is gone; exiting")
-                sys.stderr.flush()
-                os._exit(1)
-            self.loop.call_soon_threadsafe(self._handle, batch)
-
-    def _handle(self, batch: list[ToEngine]) -> None:
-        for message in batch:
-            if isinstance(message, Submit):
-                request_id = message.request.request_id
-                task = self.loop.create_task(self._forward(message.request))
-                self.requests[request_id] = task
-                task.add_done_callback(functools.partial(_forget, self.requests, request_id))
-            elif isinstance(message, Abort):
-                # After the request's task has taken its first step (call_soon keeps the order), so
-                # the engine has the request before its abort.
-                if message.request_id in self.requests:
-                    self.loop.call_soon(self.engine.abort, message.request_id)
-            elif isinstance(message, Check):
-                task = self.loop.create_task(self._check(message))
-                self.checks[message.call_id] = task
-                task.add_done_callback(functools.partial(_forget, self.checks, message.call_id))
-            elif isinstance(message, CancelCheck):
-                check = self.checks.get(message.call_id)
-                if check is not None:
-                    check.cancel()
-            elif isinstance(message, Start):
-                self.loop.create_task(self._start())
-            else:
-                self.loop.create_task(self._stop())
-
-    async def _forward(self, request: GenerationRequest) -> None:
-        stream = self.engine.generate(request)
-        try:
-            async for out in stream:
-                self.emit(out)
-        except Exception as exc:  # EngineDeadError: the engine died before it took the request
-            failure = one_line(exc) if isinstance(exc, EngineDeadError) else one_line(exc, with_type=True)
-            self.emit(
-                RequestOutput.last(
-                    request.request_id,
-                    len(request.prompt_token_ids),
-                    error=f"engine failure: {failure}",
-                    time=time.monotonic(),
-                )
-            )
-        finally:
-            await stream.aclose()
-
-    async def _check(self, message: Check) -> None:
-        try:
-            await self.engine.check(message.request)
-        except Exception as exc:
-            self.send(Checked(message.call_id, portable(exc)))
-        else:
-            self.send(Checked(message.call_id, None))
-
-    async def _start(self) -> None:
-        try:
-            await self.engine.start()
-        except Exception as exc:
-            log.error("engine process: start failed: %s", one_line(exc, with_type=True))
-            self.send(Failed(portable(exc)))
-            self._exit(1)
-            return
-        self.send(Started())
-        self.loop.create_task(self._tick())
-
-    async def _stop(self) -> None:
-        if self.loaded.done():
-            await self.engine.stop()  # what is in flight ends with an abort
-        await self._drain()
-        self.send(Stopped())
-        self._exit(0)
-
-    # --- To the API process -------------------------------------------------------------------------
-
-    def emit(self, out: RequestOutput) -> None:
-        """Gather `out` into this step's Update. The engine wakes this loop once per step and every
-        request's task is woken before the first of them schedules the flush, so the flush (run
-        after them) sends the whole step in one message."""
-        self.pending.append(out)
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self.flush_scheduled = False
-        outputs, self.pending = self.pending, []
-        self.send(Update(outputs, *self._changes()))
-
-    def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None]:
-        """The stats and adapter names, each where it changed since it was last sent (else None)."""
-        stats: EngineStats | None = self.engine.stats()
-        if stats is self.sent_stats:
-            stats = None
-        else:
-            self.sent_stats = stats
-        adapters = self._adapter_names()
-        if adapters == self.sent_adapters:
-            adapters = None
-        else:
-            self.sent_adapters = adapters
-        return stats, adapters
-
-    def _adapter_names(self) -> tuple[str, ...] | None:
-        catalog = self.loaded.result().adapters
-        return tuple(catalog.names()) if catalog is not None else None
-
-    async def _tick(self) -> None:
-        """Stats (and adapter names) that change while no output flows: after an abort, a rescan."""
-        while True:
-            await asyncio.sleep(STATS_TICK_S)
-            stats, adapters = self._changes()
-            if stats is not None or adapters is not None:
-                self.send(Update([], stats, adapters))
-
-    def send(self, message: FromEngine) -> None:
-        try:
-            with self.send_lock:
-                self.conn.send(message)
-        except (OSError, ValueError):
-            log.error("engine process: the API process is gone; exiting")
-            sys.stderr.flush()
-            os._exit(1)
-
-    # --- Death ---------------------------------------------------------------------------------------
-
-    def _died(self, exc: BaseException) -> None:
-        """The engine's on_fatal (from its own thread): its requests have been ended with the error;
-        forward their last outputs, report the death, exit."""
-        failure = self.loaded.result().engine.failure if self.loaded.done() else None
-        message = failure or one_line(exc, with_type=True)
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._die(message, portable(exc))))
-
-    async def _die(self, message: str, error: BaseException) -> None:
-        await self._drain()
-        self.send(Died(message, error))
-        self._exit(1)
-
-    async def _drain(self) -> None:
-        """Wait for every request's last output to be gathered, then send what is gathered."""
-        if self.requests:
-            await asyncio.wait(list(self.requests.values()), timeout=DRAIN_S)
-        if self.pending:
-            self.flush()
-
-    def _exit(self, code: int) -> None:
-        if not self.done.done():
-            self.done.set_result(code)
