@@ -71,7 +71,8 @@ def _attend(
     **kwargs: Any,
 ) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))  # every row must be written
-    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_query_len = int(query_lens.max()) if query_lens.numel() else 1
     return paged_unified_attention(
         q,
         pool.data[0],
@@ -459,3 +460,13 @@ def test_bad_arguments_are_refused() -> None:
             step.q, step.pool.data[0], step.scales(), "int8", step.tables, step.seq_lens, step.seq_lens, 0.1,
             max_query_len=2,
         )  # fmt: skip
+
+
+@needs_triton
+def test_an_empty_step_launches_nothing() -> None:
+    step = _step("auto", torch.float32, 4, 2, 64, 16, [(3, 2)])
+    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    got = _attend(
+        step.pool, step.q[:0], step.tables[:0], torch.zeros(1, dtype=torch.int32, device=DEVICE), empty
+    )
+    assert got.shape == (0, 4, 64)

@@ -235,6 +235,7 @@ if triton is not None:
         l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
+        kv_head_64 = kv_head.to(tl.int64)  # a large pool's offsets pass 2**31
         keys = tl.arange(0, TILE)
         # Keys past the block's last query are seen by no row of it.
         key_end = tl.minimum(block_start + BLOCK_Q, seq_len)
@@ -245,9 +246,9 @@ if triton is not None:
             pos = start + keys  # [TILE]
             in_range = pos < key_end
             k, v = _load_kv_tile(
-                cache_ptr + kv_head * head_stride,
+                cache_ptr + kv_head_64 * head_stride,
                 kv_stride,
-                scale_ptr + kv_head * scale_head_stride,
+                scale_ptr + kv_head_64 * scale_head_stride,
                 scale_kv_stride,
                 tables_ptr + seq * stride_tb,
                 new_k_ptr + kv_head * stride_nh,
@@ -448,6 +449,8 @@ def paged_unified_attention(
     )
     head_stride = num_blocks * block_size * head_dim
     grid = (grid_blocks(num_tokens, num_seqs, shape.block_q), num_kv_heads)
+    if grid[0] == 0:
+        return out  # an empty step
     _unified_attention_kernel[grid](
         q,
         cache,
