@@ -40,8 +40,9 @@ Precision. Scores, softmax statistics and the accumulator are float32; matmul in
 model's dtype (float32 matmuls with DOT_PRECISION "ieee", no tf32). On CPU tensors the kernel runs
 only under TRITON_INTERPRET=1 (tests without a GPU), which has no bfloat16 arithmetic: it then
 computes in float32 throughout (COMPUTE_F32), as the decode kernel does. Quantized caches are read
-as stored, this step's own keys and values included (the gathered prefill path in
-paged_attention.py attends a chunk to its own keys before quantization).
+as stored, this step's own keys and values included, unless the launcher is given them as computed
+(`new_kv`, OWN_KV): then this step's positions are read from there, as the gathered prefill path in
+paged_attention.py attends a chunk to its own keys before quantization.
 
 Batch invariance. Within one launch shape (BLOCK_Q and TILE, which the launcher picks from
 `max_query_len` unless `block_q` and `tile` are given), a row is computed from its own query and
@@ -50,9 +51,11 @@ absolute positions; keys it cannot see and the tiles it visits only because of o
 exact zeros. So its output does not depend on the other sequences, the padding or the chunk
 boundaries, provided the matmul gives a row the same result whatever the other rows hold (true of
 numpy under the interpreter, tested; expected of the GPU's MMA, to be checked there). Across launch
-shapes it is not: a decode in a decode-only step (BLOCK_Q 1) and in a mixed step (BLOCK_Q 16) go
-through matmuls of different shapes and may round differently. Pin `block_q` and `tile` for every
-step where bitwise invariance matters (decode-only steps then waste rows).
+shapes it is not: a decode in a decode-only step (BLOCK_Q 1) and in a mixed step (BLOCK_Q up to
+64) go through matmuls of different shapes and may round differently. Pin `block_q` and `tile` for
+every step where bitwise invariance matters (decode-only steps then waste rows). With `new_kv` over
+a quantized cache, which keys are exact depends on where the chunks begin, so a prompt chunked
+differently gives different (not only differently rounded) keys, as on the gathered path.
 """
 
 from __future__ import annotations
