@@ -40,7 +40,7 @@ from service.engine.torch.guided import xgrammar_available
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
 from service.text.tokenizer import Tokenizer
-from tests.conftest import EMBEDDED_NAME, process_alive, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, ServerProcess, process_alive, start_server, wait_ready
 from tests.test_engine_failure import DOOMED_PROMPT, FAULT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -374,38 +374,71 @@ sys.meta_path.insert(0, _ProcessEngineHook())
 """
 
 
-def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: Path) -> None:
+def start_process_server(tmp_path: Path, inject: str) -> tuple[ServerProcess, int]:
+    """A real server whose engine runs in its own process (the hook), with `inject` run at start-up
+    in both processes; the engine process's pid."""
     (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(HOOK + FAULT)
+    (tmp_path / "inject" / "sitecustomize.py").write_text(HOOK + inject)
     path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
     server = start_server(tmp_path / "log", env={"PYTHONPATH": path, **PASSIVE_OPENMP})
     try:
         wait_ready(server)
-        line = next(x for x in server.log().splitlines() if "the engine core runs in process" in x)
-        core = int(line.rsplit(" ", 1)[1])
-        assert core in descendants(server.process.pid)
+    except BaseException:
+        server.stop()
+        raise
+    line = next(x for x in server.log().splitlines() if "the engine core runs in process" in x)
+    core = int(line.rsplit(" ", 1)[1])
+    assert core in descendants(server.process.pid)
+    return server, core
+
+
+def stream_in_background(server: ServerProcess, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A streamed completion on a thread; returns once its first frame has arrived."""
+    frames: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": EMBEDDED_NAME, "prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True}
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            for line in response.iter_lines():
+                if line:
+                    frames.append(line)
+                    started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(60)
+    return worker, frames
+
+
+def test_a_server_with_an_engine_process_serves_drains_and_stops(tmp_path: Path) -> None:
+    server, core = start_process_server(tmp_path, "")
+    try:
         reply = httpx.post(
             f"{server.base_url}/v1/completions",
             json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 5},
             timeout=60,
         )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
-        frames: list[str] = []
-        started = threading.Event()
+        worker, frames = stream_in_background(server, 24)
+        server.process.send_signal(signal.SIGTERM)  # the drain lets the stream finish
+        worker.join(60)
+        assert frames[-1] == "data: [DONE]"
+        chunks = [json.loads(f.removeprefix("data: ")) for f in frames[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) >= 12
+        assert server.process.wait(60) == 0
+        assert not process_alive(core)
+    finally:
+        server.stop()
 
-        def stream() -> None:
-            body = {"model": EMBEDDED_NAME, "prompt": "Count:", "max_tokens": 500, "ignore_eos": True}
-            with httpx.stream(
-                "POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60
-            ) as response:
-                for line in response.iter_lines():
-                    if line:
-                        frames.append(line)
-                        started.set()
 
-        worker = threading.Thread(target=stream)
-        worker.start()
-        assert started.wait(60)
+def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: Path) -> None:
+    server, core = start_process_server(tmp_path, FAULT)
+    try:
+        worker, frames = stream_in_background(server, 500)
         doomed = httpx.post(
             f"{server.base_url}/v1/completions",
             json={"model": EMBEDDED_NAME, "prompt": DOOMED_PROMPT, "max_tokens": 4},
