@@ -455,3 +455,60 @@ def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: P
         assert "engine failed: RuntimeError: injected device fault" in server.log()
     finally:
         server.stop()
+
+
+def test_lora_adapters_are_served_and_mirrored_from_the_engine_process(tmp_path: Path) -> None:
+    """The API process's adapter catalogue is what the engine process's store lists, rescans
+    included; an adapter's greedy tokens are the in-process engine's."""
+    from service.engine.models.config import ModelConfig
+    from tests import test_lora
+    from tests.test_lora_serving import TARGETS
+    from tests.test_tensor_parallel import _checkpoint
+    from tests.test_tensor_parallel_serving import _distinct_tokens
+
+    checkpoint = _checkpoint(tmp_path / "tiny", vocab_size=256, max_position_embeddings=512)
+    _distinct_tokens(checkpoint)
+    model = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    source = tmp_path / "adapters"
+    test_lora.write_adapter(source / "sql", 100, 8, 16.0, TARGETS, model, std=0.15)
+    settings = {
+        "model_name": str(checkpoint),
+        "model_profile": "torch-generic-fp32-tp1-pp1-throughput",
+        "peft_source": source,
+        "peft_refresh_interval": 0.2,
+        "max_lora_rank": 16,
+        "max_gpu_loras": 2,
+        "num_threads": 2,
+        "max_model_len": None,
+        "kv_cache_max_tokens": 4096,
+    }
+    with mock.patch.dict(os.environ, PASSIVE_OPENMP):
+        loaded = load_in_process(config_for(load_settings(**settings)))
+    engine = loaded.engine
+    assert isinstance(engine, ProcessEngine) and loaded.adapters is not None
+    asyncio.run(engine.start())
+    try:
+        assert loaded.info.features.lora and loaded.adapters.names() == ["sql"]
+        with pytest.raises(KeyError):
+            loaded.adapters.prepare("chat")
+        test_lora.write_adapter(source / "chat", 101, 8, 16.0, TARGETS, model, std=0.15)
+        wait_for(lambda: loaded.adapters is not None and loaded.adapters.names() == ["chat", "sql"], 15)
+        loaded.adapters.prepare("chat")
+        prompt = loaded.tokenizer.encode("Once upon a time")
+        requests = [
+            request("base", prompt, max_tokens=8),
+            dataclasses.replace(request("sql", prompt, max_tokens=8), adapter="sql"),
+            dataclasses.replace(request("chat", prompt, max_tokens=8), adapter="chat"),
+        ]
+        remote = run_all(engine, requests)
+        local_engine = build_engine(config_for(load_settings(**settings)))
+        asyncio.run(local_engine.start())
+        try:
+            local = run_all(local_engine, requests)
+        finally:
+            asyncio.run(local_engine.stop())
+        for r in requests:
+            assert tokens(remote[r.request_id]) == tokens(local[r.request_id]), r.request_id
+        assert tokens(remote["sql"]) != tokens(remote["base"])  # the adapter ran
+    finally:
+        asyncio.run(engine.stop())
