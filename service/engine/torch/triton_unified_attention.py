@@ -405,9 +405,10 @@ def paged_unified_attention(
 
     q: [T, Hq, D], the sequences' queries back to back (rows past query_start_loc[-1] are
     padding: they get zeros); cache: one layer's [2, Hkv, NB, BS, D], this step's keys and values
-    already written; block_tables: [S, W] integer; query_start_loc: [S + 1] integer, starting at 0,
-    non-decreasing, at most T; seq_lens: [S] integer, each sequence's context length after this
-    step (>= its query length). The three may be views of static buffers; none is read on the host.
+    already written; block_tables: [S, W] integer, each row's ids contiguous; query_start_loc:
+    [S + 1] integer, starting at 0, non-decreasing, at most T; seq_lens: [S] integer, each
+    sequence's context length after this step (>= its query length). The three may be views of
+    static buffers; none is read on the host.
     `max_query_len` (host-known) picks the block shape only: any value gives the same attention
     (to rounding), the right one the fastest shape; `block_q` and `tile` pin the shape.
     `cache_dtype` is the KV cache spec's ("int8" and "fp8" read `scales` [2, Hkv, NB, BS]).
@@ -503,6 +504,8 @@ def _check_shapes(
         raise ValueError(f"{num_heads} query heads do not split into {num_kv_heads} kv heads")
     if q.stride(2) != 1:
         raise ValueError("queries must be contiguous in the head dimension")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block tables must be [S, W] with each row's block ids contiguous")
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"{num_seqs} sequences need query_start_loc [{num_seqs + 1}] and {num_seqs} block table rows, "
