@@ -77,8 +77,11 @@ def _same_answer(got, expected) -> bool:
 
 
 def _poisoned_filtered_probs(original):
-    def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        if params.seed == POISON_SEED:
+    """The batched filters fail whenever the victim's row is among the rows they filter (the
+    sampler then redoes the rows one by one, and only the victim's fails)."""
+
+    def filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected sampling fault")
         return original(logits, params)
 

@@ -1,7 +1,7 @@
 """Run one StepPlan: tensors in, one forward pass over the mixed batch, tokens sampled out.
 
 The runner owns what lasts beyond a step but is not scheduling: each live request's sampling
-state (its random generator, the tokens penalties look at) and the model. Everything it is told
+state (its seed, the tokens penalties look at) and the model. Everything it is told
 arrives in the plan, so it could run in another process.
 
 Failure domains: what goes wrong in one request's row (its grammar admits no token or cannot be
@@ -37,7 +37,7 @@ from service.engine.torch.sampler import (
     NOT_A_NUMBER,
     SampledToken,
     SamplingRow,
-    make_generator,
+    request_seed,
     sample,
     token_logprob,
 )
@@ -57,7 +57,7 @@ class _RowState:
     """A request's sampling state, kept across steps (and across preemptions) until it ends."""
 
     new: NewRequest
-    generator: torch.Generator
+    seed: int  # of its draws (sampler.uniform)
     token_ids: list[int] = field(default_factory=list)  # prompt + sampled so far
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned
     guided: GuidedRow | None = None  # its place in its grammar (structured output)
@@ -65,7 +65,7 @@ class _RowState:
     def row(self) -> SamplingRow:
         return SamplingRow(
             params=self.new.sampling,
-            generator=self.generator,
+            seed=self.seed,
             token_ids=self.token_ids,
             num_prompt_tokens=len(self.new.prompt_token_ids),
             end_token_ids=frozenset(self.new.end_token_ids),
@@ -158,7 +158,7 @@ class ModelRunner:
             self._rows.pop(request_id, None)
         failed: dict[str, RowFailure] = {}
         for new in plan.new_requests:
-            state = _RowState(new, make_generator(new.sampling, self.device), list(new.prompt_token_ids))
+            state = _RowState(new, request_seed(new.sampling), list(new.prompt_token_ids))
             self._rows[new.request_id] = state
             if new.sampling.guided is not None:
                 assert self.grammars is not None, "a constrained request reached an engine without grammars"
