@@ -21,6 +21,12 @@ tests/test_output_and_sampling.py hold this). Sums over a row's vocabulary are n
 the cumulative sum's last element is the total. On CUDA the same operations are per-row kernels,
 but this has not been checked on a GPU.
 
+On CUDA: nothing waits for the device before the one copy of the chosen ids, except where the CPU
+path checks a count (ranking ties, a nucleus wider than its candidates), which CUDA avoids by
+sorting whole rows. The step's parameter vectors (temperatures, top_k, seeds' uniforms, ...) are
+built from Python lists each step and copied to the device from pageable memory; keeping them in
+persistent pinned buffers, updated as requests come and go, is still to do.
+
 Equal values rank in ascending token id, argmax's convention, wherever tokens are ranked (the
 greedy choice, top_k's k, top_p's order, the top logprobs): bfloat16 logits tie exactly (their step
 is 0.125 between 16 and 32), and top_k=1 must then still be the greedy answer, and the greedy
