@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -149,6 +150,10 @@ def load_in_process(config: EngineConfig, on_fatal: FatalCallback | None = None)
     process = context.Process(target=engine_main, args=(setup, theirs), name="engine-core", daemon=False)
     process.start()
     theirs.close()  # the engine process holds the only other end: its exit closes the pipe
+    # An exit while it loads (the server stopped meanwhile) ends it, before multiprocessing's own
+    # exit handler would wait for it; the engine registers its own once made.
+    abandon = functools.partial(_end_process, process, 0.0)
+    atexit.register(abandon)
     try:
         tokenizer = load_tokenizer(config)  # while the engine process loads the weights
         loaded = _await_loaded(ours, process)
@@ -156,6 +161,8 @@ def load_in_process(config: EngineConfig, on_fatal: FatalCallback | None = None)
         _end_process(process, KILL_GRACE_S)  # it leaves on its own after a refusal
         ours.close()
         raise
+    finally:
+        atexit.unregister(abandon)
     engine = ProcessEngine(process, ours, loaded.info, loaded.adapters, on_fatal)
     log.info("the engine core runs in process %d", process.pid)
     return LoadedEngine(engine=engine, info=loaded.info, tokenizer=tokenizer, adapters=engine.adapters)
@@ -482,9 +489,7 @@ class ProcessEngine:
         """At interpreter exit without a stop: the engine process must not outlive this one."""
         with self._lock:
             self._exit_expected = True
-        with contextlib.suppress(OSError):
-            self._conn.close()
-        _end_process(self.process, KILL_GRACE_S)
+        _end_process(self.process, 0.0)
 
 
 def _last(request_id: str, num_prompt_tokens: int, error: str | None, now: float) -> RequestOutput:
