@@ -30,6 +30,7 @@ from service.engine.torch.paged_attention import (
     AttentionMetadata,
     PagedAttention,
     PrefillChunk,
+    UnifiedStep,
     decode_mask,
     prefill_mask,
 )
@@ -142,6 +143,16 @@ class ModelRunner:
         """Switch the eager decodes' attention (tests compare the kernel with the gather path)."""
         attention = DecodeAttention.KERNEL if kernel else DecodeAttention.GATHER
         self.path = replace(self.path, attention=attention)
+
+    @property
+    def unified_steps(self) -> bool:
+        """Whether steps with prefill chunks attend through the unified Triton kernel."""
+        return self.path.unified_steps
+
+    @unified_steps.setter
+    def unified_steps(self, unified: bool) -> None:
+        """Switch it (tests compare the kernel with the gathered path, in Triton's interpreter)."""
+        self.path = replace(self.path, unified_steps=unified)
 
     def prepare_step(self, plan: StepPlan) -> None:
         """Every rank, before the step: zero the KV blocks the plan clears and copy the adapters
@@ -326,6 +337,8 @@ class ModelRunner:
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         device = self.device
         num_decodes = plan.num_decodes
+        if self.path.unified_steps and num_decodes < plan.num_sequences:
+            return self._unified_metadata(plan)
         decode_blocks = mask = tables = lens = None
         run: tuple[int, int] | None = None
         if num_decodes:
@@ -369,6 +382,25 @@ class ModelRunner:
             decode_lens=lens if tables is not None else None,
             decode_block_run=run,
         )
+
+    def _unified_metadata(self, plan: StepPlan) -> AttentionMetadata:
+        """The whole step for the unified kernel: every sequence's query start, context length and
+        block table (padded with the scratch block)."""
+        device = self.device
+        starts = [0]
+        for n in plan.query_lens:
+            starts.append(starts[-1] + n)
+        width = max(len(t) for t in plan.block_tables)
+        scratch = self.pool.scratch_block
+        tables = [list(t) + [scratch] * (width - len(t)) for t in plan.block_tables]
+        step = UnifiedStep(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(plan.context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            max_query_len=max(plan.query_lens),
+        )
+        slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.long, device=device)
+        return AttentionMetadata(slot_mapping, plan.num_decodes, None, None, (), unified=step)
 
     def _blocks(self, tables: tuple[tuple[int, ...], ...], width: int) -> torch.Tensor:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""

@@ -25,6 +25,13 @@ cut into tiles of PREFILL_TILE positions aligned to absolute positions (padded w
 passed as the batch dimension: a token is always computed in the same tile, of the same
 height, whatever the chunk holds. tests/test_engine.py holds this; a faster kernel must keep it.
 
+On CUDA, a step with prefill chunks may instead attend through one Triton kernel for the whole
+step (`unified` metadata; service.engine.torch.triton_unified_attention): decodes and chunks in one
+launch per layer, keys and values read in place through the block tables, nothing gathered. The
+decode path decides whether it runs (decode_path.py, after a check against this module's gathered
+attention at start). It is not bitwise batch-invariant across launch shapes (its docstring says
+where), so on CUDA a greedy token may depend on whether its step held a prefill.
+
 Sliding-window layers (a call with `window`) attend over the same gathered context with the
 step's masks narrowed to each query's window (built once per step and window, shared by the
 layers that use it), and through the Triton kernel with its window argument. Every block stays
@@ -43,6 +50,7 @@ import torch.nn.functional as F
 from service.engine.models.attention import check_window
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.triton_attention import paged_decode_attention
+from service.engine.torch.triton_unified_attention import paged_unified_attention
 
 # Query positions per attention tile (tiles start at multiples of it): the CPU kernel's own query
 # block for short queries, so a tile is one block of its matrix products.
@@ -66,6 +74,18 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class UnifiedStep:
+    """A whole step for the unified kernel: every sequence (decodes first, then prefill chunks, as
+    the flat batch lies), by its queries' start rows, its context length after the step and its
+    block table."""
+
+    query_start_loc: torch.Tensor  # [S + 1] int32: sequence s owns rows [qsl[s], qsl[s + 1])
+    seq_lens: torch.Tensor  # [S] int32: cached tokens plus this step's queries
+    block_tables: torch.Tensor  # [S, W] block ids, padded with the scratch block
+    max_query_len: int  # picks the kernel's block shape
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
     num_decodes: int  # rows [0, num_decodes) are decode tokens
@@ -79,6 +99,8 @@ class AttentionMetadata:
     # A lone decode whose blocks are one ascending run (first block, count): its keys and values
     # are read in place, a view of the pool, instead of gathered (set instead of decode_block_ids).
     decode_block_run: tuple[int, int] | None = None
+    # Set (and nothing above but slot_mapping) where the whole step attends through the unified kernel.
+    unified: UnifiedStep | None = None
 
 
 class PagedAttention:
@@ -106,6 +128,8 @@ class PagedAttention:
         meta = self.meta
         scale = self.scale if scale is None else scale
         self.pool.write(layer, meta.slot_mapping, k, v)
+        if meta.unified is not None:
+            return self._unified(layer, meta.unified, q, k, v, window, scale)
         if not meta.prefills:
             return self._decode(layer, q, window, scale)
         out = torch.empty_like(q)
@@ -116,6 +140,25 @@ class PagedAttention:
             mask = chunk.mask if window is None else self._prefill_window(index, chunk, window)
             out[rows] = self._prefill(layer, chunk, mask, scale, q[rows], k[rows], v[rows])
         return out
+
+    def _unified(
+        self,
+        layer: int,
+        step: UnifiedStep,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        pool = self.pool
+        return paged_unified_attention(
+            q, pool.data[layer], pool.scales[layer] if pool.scales is not None else None,
+            pool.spec.cache_dtype, step.block_tables, step.query_start_loc, step.seq_lens, scale,
+            max_query_len=step.max_query_len, window=window,
+            # A quantized cache: each chunk sees its own keys as computed, as the gathered path does.
+            new_kv=(k, v) if pool.spec.quantized else None,
+        )  # fmt: skip
 
     def _decode(self, layer: int, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         # q: [B, Hq, D]: one query per request, B requests side by side in the batch dimension.
