@@ -64,7 +64,8 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
         for note in notes:
             print(f"- {note}")
         print("- ranking: native precision over emulated, TensorRT-LLM over torch, built for this GPU over")
-        print("  generic, lower precision first,")
+        print("  generic, lower precision first (a torch precision whose CUDA kernels have not been measured")
+        print("  on a GPU ranks below the float ones; on a CPU without bf16 instructions bf16 and int last),")
         order = "smallest" if settings.profile_type == "throughput" else "largest"
         print(f"  {settings.profile_type} profiles first, then the {order} tp")
         if system.gpus:

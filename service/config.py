@@ -258,6 +258,13 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_ENFORCE_EAGER"),
         description="1: run every step eagerly: no CUDA graphs, no scripted CPU decode step (debugging).",
     )
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        validation_alias=_env("NIM_ENGINE_PROCESS"),
+        description="Run the engine core in a process of its own, so the API's event loop and the step "
+        "loop never share an interpreter lock: on, off, or auto (on for CUDA, off on CPUs, where both "
+        "would share the cores a step needs). The torch engine only: on with tensorrt_llm is refused.",
+    )
     fused_kernels: bool = Field(
         False,
         validation_alias=_env("NIM_FUSED_KERNELS"),

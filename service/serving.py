@@ -22,6 +22,7 @@ from service.engine.config import (
     LoraConfig,
     SchedulerLimits,
 )
+from service.engine.process import load_in_process, wrap_in_process
 from service.engine.registry import load_engine
 from service.selection.planning import Plan, make_plan, model_source
 from service.store.model_store import ModelSource
@@ -131,7 +132,8 @@ def bring_up_model(settings: Settings) -> BringUp:
 
         # Loading runs parallel CPU ops (weight prepacking); a thread that ends with it leaves no
         # OpenMP pool behind to compete with the engine's own thread.
-        loaded = await on_new_thread(load_engine, config, died, name="engine-load")
+        load = load_in_process if wrap_in_process(settings.engine_process, config) else load_engine
+        loaded = await on_new_thread(load, config, died, name="engine-load")
         use_chat_templates(settings, loaded.tokenizer, embedded=plan.profile.source.repo == "embedded")
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()

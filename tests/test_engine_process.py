@@ -344,43 +344,15 @@ def test_the_engine_process_leaves_when_the_api_process_dies(tmp_path: Path) -> 
         parent.wait(10)
 
 
-HOOK = """
-import importlib.abc
-import importlib.machinery
-import sys
-
-
-class _ProcessEngineHook(importlib.abc.MetaPathFinder):
-    # service.serving loads its engine with load_in_process instead of load_engine (the wiring
-    # NIM_ENGINE_PROCESS=on will do); nothing else is changed
-    def find_spec(self, name, path, target=None):
-        if name != "service.serving":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            from service.engine.process import load_in_process
-
-            module.load_engine = load_in_process
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _ProcessEngineHook())
-"""
-
-
 def start_process_server(tmp_path: Path, inject: str) -> tuple[ServerProcess, int]:
-    """A real server whose engine runs in its own process (the hook), with `inject` run at start-up
-    in both processes; the engine process's pid."""
+    """A real server whose engine runs in its own process (NIM_ENGINE_PROCESS=on), with `inject` run
+    at start-up in both processes; the engine process's pid."""
     (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(HOOK + inject)
+    (tmp_path / "inject" / "sitecustomize.py").write_text(inject)
     path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
-    server = start_server(tmp_path / "log", env={"PYTHONPATH": path, **PASSIVE_OPENMP})
+    server = start_server(
+        tmp_path / "log", env={"PYTHONPATH": path, "NIM_ENGINE_PROCESS": "on", **PASSIVE_OPENMP}
+    )
     try:
         wait_ready(server)
     except BaseException:
