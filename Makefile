@@ -42,7 +42,8 @@ test: setup-test
 # engine and API tests with the engine on CUDA (the default device there).
 # (The gpu-marked tests all live in tests/test_gpu.py.)
 test-gpu:
-	$(PYTHON) -m pytest -q tests/test_gpu.py tests/test_decode_kernels.py tests/test_engine.py \
+	$(PYTHON) -m pytest -q tests/test_gpu.py tests/test_decode_kernels.py tests/test_triton_unified_attention.py \
+		tests/test_unified_steps.py tests/test_output_and_sampling.py tests/test_engine_process.py tests/test_engine.py \
 		tests/test_engine_failure.py tests/test_api_openai.py tests/test_api_sampling.py tests/test_api_errors.py \
 		tests/test_api_system.py
 

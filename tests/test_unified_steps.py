@@ -31,12 +31,13 @@ def test_the_start_up_check_passes_for_the_models_shape(engine, cache_dtype: str
     from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 
     spec = engine.runner.pool.spec
+    device = engine.runner.device  # the CPU in Triton's interpreter, or a GPU under make test-gpu
     pool = KVPool(
         KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, spec.block_size, cache_dtype, spec.model_dtype),  # type: ignore[arg-type]
         4,
-        torch.device("cpu"),
+        device,
     )
-    assert unified_check(engine.runner.model, pool, torch.device("cpu")) is None
+    assert unified_check(engine.runner.model, pool, device) is None
 
 
 def test_the_check_names_a_kernel_that_disagrees(engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,7 +48,7 @@ def test_the_check_names_a_kernel_that_disagrees(engine, monkeypatch: pytest.Mon
         return torch.zeros_like(q)
 
     monkeypatch.setattr(paged_attention, "paged_unified_attention", wrong)
-    why = unified_check(engine.runner.model, engine.runner.pool, torch.device("cpu"))
+    why = unified_check(engine.runner.model, engine.runner.pool, engine.runner.device)
     assert why is not None and "differs from gathered attention" in why
 
 
