@@ -95,7 +95,7 @@ def make_prompts(seed: int, count: int, words: int) -> list[str]:
 
 
 async def chat_request(
-    client: httpx.AsyncClient, url: str, model: str, text: str, output_len: int
+    client: httpx.AsyncClient, url: str, model: str, text: str, output_len: int, sampling: dict | None = None
 ) -> ChatResult:
     """One streaming chat completion, timed from sending it to its last chunk.
 
@@ -112,6 +112,7 @@ async def chat_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(sampling or {}),  # --temperature / --top-p: a sampled load instead of greedy
     }
     for attempt in range(2):
         result = ChatResult(reconnects=attempt)
@@ -158,7 +159,17 @@ async def _stream_chat(client: httpx.AsyncClient, url: str, body: dict, result: 
     return result
 
 
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
+def sampling_of(args: argparse.Namespace) -> dict:
+    """The request's sampling fields beyond the greedy default."""
+    sampling: dict = {"temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    return sampling
+
+
+async def run_load(
+    url: str, model: str, prompts: list[str], concurrency: int, output_len: int, sampling: dict | None = None
+) -> dict:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -169,7 +180,7 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, o
         async def worker() -> None:
             while not queue.empty():
                 text = queue.get_nowait()
-                results.append(await chat_request(client, url, model, text, output_len))
+                results.append(await chat_request(client, url, model, text, output_len, sampling))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -382,6 +393,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling (sent only when given)")
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temporary directory)")
     parser.add_argument("--out", type=Path, help="also write the JSON document here")
@@ -495,7 +508,9 @@ def main() -> None:
             for r in range(args.rounds):
                 prompts = make_prompts(args.seed * 1_000_003 + c * 1000 + r, count, args.input_words)
                 for name in urls:
-                    figures = asyncio.run(run_load(urls[name], models[name], prompts, c, args.output_len))
+                    figures = asyncio.run(
+                        run_load(urls[name], models[name], prompts, c, args.output_len, sampling_of(args))
+                    )
                     rounds.append({"concurrency": c, "round": r, "server": name, **figures})
                     print(
                         f"c={c} round {r} {name}: {figures['output_tok_per_s']:.1f} tok/s, "

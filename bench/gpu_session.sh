@@ -16,17 +16,32 @@
 #   profile      engine overhead, launches and host time per decode step (the GGUF layout, and 8B)
 #   ours8b       our server on the 8B checkpoint at concurrency 1 and 64
 #   model PART.. reassemble the real embedded GGUF from carried parts; test-gpu: make test-gpu
+# Issue 28's measurement (after setup, ckpt8b and floor8b; NIM_BENCH_COMMIT names the host's commit):
+#   ours8b-28    the 8B bf16, streaming chat, input ~256 tokens, output 256, ignore_eos, c = 1, 64, 256
+#   sampled-28   the same at c = 256 with temperature 0.8, top_p 0.95
+#   fp8-28       the fp8 profile (quantized at load) at c = 1
+#   summary28    OUT/summary.json with the issue's keys (bench/issue28_summary.py)
+# Each runs under a timeout that sends SIGABRT first (PYTHONFAULTHANDLER prints every thread's stack),
+# then ends the server it started.
 # Every phase's output also goes to OUT/session.log, so a call stopped at its time limit still
 # brings back what happened (pipe the script into nothing that a timeout kills first).
 set -u
 CARRY=$1 OUT=$2
 shift 2
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1
 SMOL=/tmp/embedded.gguf CKPT=/tmp/ckpt8b LLAMA=/tmp/llama/llama.cpp/build/bin/llama-server
 EMBEDDED=model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
+# ours on the 8B checkpoint, issue 28's load: SECONDS OUTFILE compare_llama-arguments...
+ours28() {
+  local seconds=$1 file=$2
+  shift 2
+  timeout -s ABRT -k 15 "$seconds" python3 bench/compare_llama.py --ours-only --ours-model "$CKPT" --ctx 1024 \
+    --input-words 200 --output-len 256 --rounds 3 --log-dir "/tmp/$file" --out "$OUT/$file.json" "$@" >/dev/null
+  pkill -f "entrypoint.py serve" || true
+}
 phase_model() { # the remaining arguments are the parts, in order
   mkdir -p "$(dirname $EMBEDDED)"
   cat "$@" >"$EMBEDDED"
@@ -71,6 +86,10 @@ while [ $# -gt 0 ]; do
     timeout 300 python3 bench/compare_llama.py --ours-only --ours-model "$CKPT" --concurrency 1 64 --rounds 2 \
       --log-dir /tmp/ours8b --out "$OUT/ours8b.json" >/dev/null
     ;;
+  ours8b-28) ours28 420 ours8b_bf16 --concurrency 1 64 256 ;;
+  sampled-28) ours28 240 ours8b_sampled --concurrency 256 --temperature 0.8 --top-p 0.95 ;;
+  fp8-28) NIM_MODEL_PROFILE=torch-generic-fp8-tp1-pp1-throughput ours28 240 ours8b_fp8 --concurrency 1 ;;
+  summary28) python3 bench/issue28_summary.py "$OUT" "${NIM_BENCH_COMMIT:-unknown}" ;;
   model)
     parts=()
     while [ $# -gt 0 ] && [ -f "$1" ]; do parts+=("$1"); shift; done
