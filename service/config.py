@@ -262,8 +262,9 @@ class Settings(BaseSettings):
         "auto",
         validation_alias=_env("NIM_ENGINE_PROCESS"),
         description="Run the engine core in a process of its own, so the API's event loop and the step "
-        "loop never share an interpreter lock: on, off, or auto (on for CUDA, off on CPUs, where both "
-        "would share the cores a step needs). The torch engine only: on with tensorrt_llm is refused.",
+        "loop never share an interpreter lock: on, off, or auto (on for CUDA with one rank; off on CPUs, "
+        "where both would share the cores a step needs). The torch engine only: on with tensorrt_llm "
+        "is refused.",
     )
     fused_kernels: bool = Field(
         False,

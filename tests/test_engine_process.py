@@ -260,6 +260,8 @@ def test_wrap_in_process_follows_the_setting() -> None:
     assert wrap_in_process("on", config) and not wrap_in_process("off", config)
     assert not wrap_in_process("auto", config)  # off on CPUs until their bars are measured with it
     assert wrap_in_process("auto", dataclasses.replace(config, device="cuda"))
+    tp2 = dataclasses.replace(config, device="cuda", tensor_parallel_size=2)
+    assert not wrap_in_process("auto", tp2) and wrap_in_process("on", tp2)  # ranks under it: untested
     trtllm = dataclasses.replace(config, engine="tensorrt_llm")
     assert not wrap_in_process("auto", trtllm)
     with pytest.raises(UnsupportedConfigError, match="NIM_ENGINE_PROCESS=on: only the torch engine"):

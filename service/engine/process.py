@@ -99,9 +99,9 @@ FatalCallback = Callable[[BaseException], None]
 
 def wrap_in_process(mode: EngineProcessMode, config: EngineConfig) -> bool:
     """Whether the engine runs in a process of its own (NIM_ENGINE_PROCESS): `on` always (the torch
-    engine only; another engine refuses it in one line), `off` never, `auto` on CUDA only (on CPUs
-    the two processes share the cores the step needs; off there until the CPU bars are measured
-    with it)."""
+    engine only; another engine refuses it in one line), `off` never, `auto` on CUDA with one rank
+    only (on CPUs the two processes share the cores the step needs, so off there until the CPU bars
+    are measured with it; tensor-parallel ranks under an engine process are not tested yet)."""
     if mode == "off":
         return False
     if config.engine != "torch":
@@ -111,7 +111,7 @@ def wrap_in_process(mode: EngineProcessMode, config: EngineConfig) -> bool:
                 f"profile {config.profile_name} runs {config.engine} (set NIM_ENGINE_PROCESS=auto or off)"
             )
         return False
-    return mode == "on" or _runs_on_cuda(config)
+    return mode == "on" or (config.tensor_parallel_size == 1 and _runs_on_cuda(config))
 
 
 def _runs_on_cuda(config: EngineConfig) -> bool:
