@@ -40,11 +40,13 @@ from service.engine.torch.sampler import (
     SamplingRow,
     request_seed,
     sample,
-    token_logprob,
+    token_logprobs,
 )
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.engine.torch.step_plan import NewRequest, StepPlan
 from service.util import cdiv, one_line
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logprobs are taken at once
 
 
 class Followers(Protocol):
@@ -306,21 +308,29 @@ class ModelRunner:
         spans: list[tuple[int, int]],
         found: dict[str, list[TokenLogprob]],
     ) -> None:
-        """Request i's prompt logprobs from this step's rows, appended to found[its id]."""
+        """Request i's prompt logprobs from this step's rows, appended to found[its id], taken
+        PROMPT_LOGPROB_ROWS rows at a time (a chunk's whole log_softmax could be gigabytes)."""
         state = self._rows[plan.request_ids[i]]
         prompt = state.new.prompt_token_ids
         top_n = state.new.sampling.prompt_logprobs or 0
         start = plan.context_lens[i] - plan.query_lens[i]
-        entries = found.setdefault(plan.request_ids[i], [])
         first, _ = spans[i]
-        for j in range(plan.query_lens[i]):
-            target = start + j + 1
-            # Already returned (a recomputation after preemption) or past the prompt: skip.
-            if target >= len(prompt) or target <= state.num_prompt_logprobs:
-                continue
-            logprobs = torch.log_softmax(logits[first + j], dim=-1)
-            entries.append(token_logprob(logprobs, prompt[target], top_n))
-            state.num_prompt_logprobs = target
+        # Row first + j predicts prompt position start + j + 1; skip what was already returned (a
+        # recomputation after preemption) and what lies past the prompt.
+        targets = [
+            (first + j, start + j + 1)
+            for j in range(plan.query_lens[i])
+            if state.num_prompt_logprobs < start + j + 1 < len(prompt)
+        ]
+        entries = found.setdefault(plan.request_ids[i], [])
+        for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            part = targets[at : at + PROMPT_LOGPROB_ROWS]
+            rows = torch.tensor([row for row, _ in part], device=logits.device)
+            token_ids = torch.tensor([prompt[target] for _, target in part], device=logits.device)
+            logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+            entries.extend(token_logprobs(logprobs, token_ids, [top_n] * len(part)))
+        if targets:
+            state.num_prompt_logprobs = targets[-1][1]
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         device = self.device

@@ -278,32 +278,28 @@ def _logprobs(
     raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int], rows: Sequence[SamplingRow]
 ) -> dict[int, TokenLogprob]:
     """The chosen tokens' logprobs (raw: [W, V] log_softmax of the rows in `wanted`), their ranks and
-    the top alternatives each row asked for, taken for all wanted rows at once."""
-    index = torch.tensor(wanted, device=raw.device)
-    ids = chosen.index_select(0, index)  # [W]
-    chosen_lp = raw.gather(1, ids[:, None])  # [W, 1]
-    ranks = (raw > chosen_lp).sum(dim=-1) + 1  # how many are more likely, counted exactly
-    top_n = max(rows[i].params.logprobs or 0 for i in wanted)
-    top = ranked(raw, top_n) if top_n else raw.new_zeros((len(wanted), 0), dtype=torch.long)
-    top_lp = raw.gather(1, top)
-    found = {}
-    host = (ids.tolist(), chosen_lp[:, 0].tolist(), ranks.tolist(), top.tolist(), top_lp.tolist())
-    for j, (token_id, lp, rank, top_row, top_lp_row) in enumerate(zip(*host, strict=True)):
-        n = rows[wanted[j]].params.logprobs or 0
-        alternatives = tuple(zip(top_row[:n], top_lp_row[:n], strict=True))
-        found[wanted[j]] = TokenLogprob(token_id=token_id, logprob=lp, rank=rank, top=alternatives)
-    return found
+    the top alternatives each row asked for."""
+    ids = chosen.index_select(0, torch.tensor(wanted, device=raw.device))  # [W]
+    found = token_logprobs(raw, ids, [rows[i].params.logprobs or 0 for i in wanted])
+    return dict(zip(wanted, found, strict=True))
 
 
-def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
-    """logprobs: [V] -> the token's logprob, its rank, and the top_n alternatives."""
-    chosen = float(logprobs[token_id])
-    rank = int((logprobs > chosen).sum()) + 1
-    top: tuple[tuple[int, float], ...] = ()
-    if top_n > 0:
-        ids = top_ids(logprobs, top_n)
-        top = tuple(zip(ids.tolist(), logprobs[ids].tolist(), strict=True))
-    return TokenLogprob(token_id=token_id, logprob=chosen, rank=rank, top=top)
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, top_ns: Sequence[int]
+) -> list[TokenLogprob]:
+    """logprobs: [N, V] (log_softmax rows), token_ids: [N] on their device -> for each row its
+    token's logprob, rank (1 + how many are more likely, counted exactly) and its top_ns[i]
+    alternatives, taken for all rows at once with one copy to the host."""
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_n = max(top_ns, default=0)
+    top = ranked(logprobs, top_n) if top_n else token_ids.new_zeros((len(top_ns), 0))
+    top_lp = logprobs.gather(1, top)
+    host = (token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top.tolist(), top_lp.tolist())
+    return [
+        TokenLogprob(token_id=t, logprob=lp, rank=rank, top=tuple(zip(ids[:n], lps[:n], strict=True)))
+        for (t, lp, rank, ids, lps), n in zip(zip(*host, strict=True), top_ns, strict=True)
+    ]
 
 
 def apply_constraints(logits: torch.Tensor, rows: Sequence[SamplingRow], which: Sequence[int]) -> None:
