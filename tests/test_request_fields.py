@@ -244,7 +244,12 @@ def test_the_official_client_sees_a_refusal_as_bad_request(client: openai.OpenAI
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    # Bounded, so a sampled answer of the 135M model ends within max_tokens (an unbounded integer
+    # may run on in digits at temperature 1)
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
