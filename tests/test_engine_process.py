@@ -26,7 +26,7 @@ import pytest
 
 from service.config import load_settings
 from service.engine.config import EngineConfig, UnsupportedConfigError
-from service.engine.process import ProcessEngine, load_in_process, load_tokenizer, wrap_in_process
+from service.engine.process import ProcessEngine, load_in_process, wrap_in_process
 from service.engine.protocol import (
     Engine,
     EngineDeadError,
@@ -87,7 +87,7 @@ def engine() -> Iterator[ProcessEngine]:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return load_tokenizer(make_config())
+    return make_config().load_tokenizer()
 
 
 def request(rid: str, prompt: list[int], **params: object) -> GenerationRequest:

@@ -17,6 +17,7 @@ from service.engine.precision import SPECS
 
 if TYPE_CHECKING:
     from service.store.checkpoint import Checkpoint
+    from service.text.tokenizer import Tokenizer
 
 # The vocabularies shared by Settings, profiles and engines; each is defined here only.
 DType = Literal["auto", "bfloat16", "float16", "float32"]
@@ -206,3 +207,12 @@ class EngineConfig:
     guided_decoding_backend: str | None = None  # NIM_GUIDED_DECODING_BACKEND; None: the engine's own
     guided: GuidedLimits = GuidedLimits()  # structured output: compile limits
     engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer in the model's files: a GGUF's own vocabulary, else the directory's (every
+        engine reads it here, and so does the API process beside an engine process)."""
+        from service.text.tokenizer import Tokenizer  # not at import: this module stays light
+
+        if self.model_format == "gguf":
+            return Tokenizer.from_gguf(self.model_path)
+        return Tokenizer.from_directory(self.model_path, self.checkpoint.metadata)

@@ -83,7 +83,6 @@ from service.engine.protocol import (
     RequestOutput,
 )
 from service.telemetry.logging import JSONLinesFormatter
-from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +121,6 @@ def _runs_on_cuda(config: EngineConfig) -> bool:
     return config.device == "cuda" or torch.cuda.is_available()
 
 
-def load_tokenizer(config: EngineConfig) -> Tokenizer:
-    """The tokenizer the engines read from the model's files (service.engine.torch.loading does
-    the same): the API process reads its own instead of receiving the engine's."""
-    if config.model_format == "gguf":
-        return Tokenizer.from_gguf(config.model_path)
-    return Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
-
-
 # --- Loading -------------------------------------------------------------------------------------
 
 
@@ -155,7 +146,7 @@ def load_in_process(config: EngineConfig, on_fatal: FatalCallback | None = None)
     abandon = functools.partial(_end_process, process, 0.0)
     atexit.register(abandon)
     try:
-        tokenizer = load_tokenizer(config)  # while the engine process loads the weights
+        tokenizer = config.load_tokenizer()  # while the engine process loads the weights
         loaded = _await_loaded(ours, process)
     except BaseException:
         _end_process(process, KILL_GRACE_S)  # it leaves on its own after a refusal

@@ -31,7 +31,6 @@ from service.engine.torch.rank_loading import context_length as context_length  
 from service.engine.torch.tp_group import RankSetup, TPGroup
 from service.selection.hardware import available_cpu_count
 from service.telemetry.logging import JSONLinesFormatter
-from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +132,7 @@ def build_engine(
         if group is not None:
             group.join()
         loaded = load_rank(config, device, dtype, 0, size)
-        if config.model_format == "gguf":
-            tokenizer = Tokenizer.from_gguf(config.model_path)
-        else:
-            tokenizer = Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
+        tokenizer = config.load_tokenizer()
         adapters = None
         if loaded.lora is not None and config.lora is not None:
             adapters = LoraStore.open(config.lora, loaded.model_config, config.served_name)

@@ -21,7 +21,6 @@ from service.engine.trtllm.api import TrtllmApi, TrtllmUnavailableError, import_
 from service.engine.trtllm.engine import TrtllmEngine
 from service.engine.trtllm.engine_cache import load_or_build
 from service.engine.trtllm.release import release
-from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
         raise UnsupportedConfigError(f"profile {config.profile_name}: {exc}") from exc
     check_config(config, api)
     model_config = config.checkpoint.config
-    tokenizer = Tokenizer.from_directory(config.model_path, config.checkpoint.metadata)
+    tokenizer = config.load_tokenizer()
     kwargs = engine_kwargs(config, api) if config.build_engine else llm_kwargs(config, api)
     adapters = None
     if config.lora is not None and config.lora.source is not None:
