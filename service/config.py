@@ -256,20 +256,37 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(
         False,
         validation_alias=_env("NIM_ENFORCE_EAGER"),
-        description="1: run every step eagerly: no CUDA graphs, no scripted CPU decode step (debugging).",
+        description="1: run every step eagerly: no CUDA graphs, no scripted CPU decode step (debugging). "
+        "Unset, a decode graph that fails to capture or whose replay differs from the eager step at "
+        "start is dropped with a log line (its batch sizes run eagerly).",
+    )
+    unified_attention: Literal["auto", "off"] = Field(
+        "auto",
+        validation_alias=_env("NIM_UNIFIED_ATTENTION"),
+        description="auto: on CUDA, steps with prompt chunks attend through one Triton kernel per layer once "
+        "a start-up check of every launch shape agrees with the gathered attention (else they gather, "
+        "with a log line); off: they always gather the cache blocks.",
+    )
+    fp8_scaled_mm: Literal["auto", "off"] = Field(
+        "auto",
+        validation_alias=_env("NIM_FP8_SCALED_MM"),
+        description="fp8 profiles on GPUs of compute capability 8.9+: auto runs torch._scaled_mm once a "
+        "start-up check of every layer shape against the dequantized matmul passes (else emulated, with "
+        "a log line); off: emulated (weights dequantized for each matmul).",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",
         validation_alias=_env("NIM_ENGINE_PROCESS"),
         description="Run the engine core in a process of its own, so the API's event loop and the step "
-        "loop never share an interpreter lock: on, off, or auto (on for CUDA with one rank; off on CPUs, "
-        "where both would share the cores a step needs). The torch engine only: on with tensorrt_llm "
-        "is refused.",
+        "loop never share an interpreter lock: on, off, or auto (on for CUDA with one rank, falling back "
+        "to in process with a log line when the engine process cannot start; off on CPUs, where both "
+        "would share the cores a step needs). The torch engine only: on with tensorrt_llm is refused.",
     )
     fused_kernels: bool = Field(
         False,
         validation_alias=_env("NIM_FUSED_KERNELS"),
-        description="1: on CUDA, run norms, SiLU-mul and RoPE as fused Triton kernels (experimental).",
+        description="1: on CUDA, run norms, SiLU-mul and RoPE as fused Triton kernels once a start-up check "
+        "against PyTorch's ops passes (else PyTorch's, with a log line); experimental.",
     )
     collective_timeout_seconds: float | None = Field(
         None,

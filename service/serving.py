@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 from importlib import resources
 
 from service.api.app import BringUp, FatalHandler
@@ -22,7 +24,8 @@ from service.engine.config import (
     LoraConfig,
     SchedulerLimits,
 )
-from service.engine.process import load_in_process, wrap_in_process
+from service.engine.process import ENGINE_PROCESS_SETTING, EngineProcessError, load_in_process, not_in_process
+from service.engine.protocol import LoadedEngine, PathChoice
 from service.engine.registry import load_engine
 from service.selection.planning import Plan, make_plan, model_source
 from service.store.model_store import ModelSource
@@ -80,6 +83,8 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         enforce_eager=settings.enforce_eager,
         collective_timeout_s=settings.collective_timeout_seconds,
         fused_kernels=settings.fused_kernels,
+        unified_attention=settings.unified_attention == "auto",
+        fp8_scaled_mm=settings.fp8_scaled_mm == "auto",
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,
@@ -111,6 +116,34 @@ def use_chat_templates(settings: Settings, tokenizer: Tokenizer, embedded: bool)
         tokenizer.replace_templates({**tokenizer.templates, "tool_use": embedded_tool_template()})
 
 
+async def load(
+    settings: Settings, config: EngineConfig, died: Callable[[BaseException], None]
+) -> tuple[LoadedEngine, PathChoice]:
+    """The engine loaded in a process of its own or in this one (NIM_ENGINE_PROCESS), and that
+    choice. Under `auto`, an engine process that cannot start, or ends before it says why, falls
+    back to loading in this process with one log line; the engine's own refusals stand."""
+    mode = settings.engine_process
+    why_not = not_in_process(mode, config)
+
+    def chosen(used: bool, reason: str) -> PathChoice:
+        return PathChoice("engine_process", used, reason, ENGINE_PROCESS_SETTING)
+
+    # Loading runs parallel CPU ops (weight prepacking); a thread that ends with it leaves no
+    # OpenMP pool behind to compete with the engine's own thread.
+    if why_not is not None:
+        return await on_new_thread(load_engine, config, died, name="engine-load"), chosen(False, why_not)
+    try:
+        loaded = await on_new_thread(load_in_process, config, died, name="engine-load")
+    except EngineProcessError as exc:
+        if mode == "on":
+            raise
+        log.warning("%s; loading the engine in the server's process instead (%s skips the engine process)",
+                    one_line(exc), ENGINE_PROCESS_SETTING)  # fmt: skip
+        loaded = await on_new_thread(load_engine, config, died, name="engine-load")
+        return loaded, chosen(False, f"{one_line(exc)}; running in the server's process instead")
+    return loaded, chosen(True, f"NIM_ENGINE_PROCESS={mode}: the engine core runs in a process of its own")
+
+
 def config_for(settings: Settings) -> EngineConfig:
     """Plan, fetch and configure in one blocking call (for tools, benchmarks and tests)."""
     plan = make_plan(settings)
@@ -130,17 +163,15 @@ def bring_up_model(settings: Settings) -> BringUp:
         def died(exc: BaseException) -> None:
             on_engine_death(f"engine failed: {one_line(exc, with_type=True)}")
 
-        # Loading runs parallel CPU ops (weight prepacking); a thread that ends with it leaves no
-        # OpenMP pool behind to compete with the engine's own thread.
-        load = load_in_process if wrap_in_process(settings.engine_process, config) else load_engine
-        loaded = await on_new_thread(load, config, died, name="engine-load")
+        loaded, process_path = await load(settings, config, died)
         use_chat_templates(settings, loaded.tokenizer, embedded=plan.profile.source.repo == "embedded")
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()
+        started = loaded.engine.info  # with what the engine decided while it started (its graphs)
         info = ModelInfo(
             served_name=source.served_name,
             source=str(source.path),
-            engine=loaded.info,
+            engine=replace(started, paths=(*started.paths, process_path)),
             profile_id=plan.profile.id,
             profile_name=plan.profile.name,
             profile_tags=plan.profile.tags(),

@@ -31,6 +31,19 @@ def test_version_and_metadata(base_url: str) -> None:
     assert profile["tags"]["llm_engine"] == "torch"
     assert profile["tags"]["precision"] == embedded_default_precision()
     assert set(meta["versions"]) >= {"service", "torch", "python"}
+    # The CUDA paths with a fallback, each with why it runs or not and what turns it off.
+    paths = meta["executionPaths"]
+    assert set(paths) == {
+        "unified_attention",
+        "cuda_graphs",
+        "fp8_scaled_mm",
+        "fused_kernels",
+        "engine_process",
+    }
+    assert not any(path["used"] for path in paths.values())  # the CPU, defaults
+    assert "CUDA only" in paths["unified_attention"]["reason"]
+    assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"
+    assert "not fp8" in paths["fp8_scaled_mm"]["reason"]
 
 
 def test_metrics_count_requests_and_tokens(base_url: str) -> None:

@@ -14,7 +14,7 @@ def test_configuration_table_matches_settings() -> None:
     text = README.read_text()
     table = text[text.index("## Configuration") :]
     table = table[: table.index("\n## ", 1)]
-    documented = set(re.findall(r"^\| `([A-Z][A-Z_]+)`", table, flags=re.MULTILINE))
+    documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", table, flags=re.MULTILINE))
     actual = {field.validation_alias.choices[0] for field in Settings.model_fields.values()}
     assert documented == actual
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from service.engine.triton_support import available as triton_available
 
@@ -26,9 +25,10 @@ def engine():
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
 def test_the_start_up_check_passes_for_the_models_shape(engine, cache_dtype: str) -> None:
     """The check decode_path runs on CUDA before it lets steps with prefill chunks through the
-    kernel: here on the CPU, in the interpreter, for the embedded model's heads and head size."""
-    from service.engine.torch.decode_path import unified_check
+    kernel, at every launch shape: here on the CPU, in the interpreter, for the embedded model's
+    heads and head size (natively under make test-gpu)."""
     from service.engine.torch.kv_pool import KVCacheSpec, KVPool
+    from service.engine.torch.startup_checks import check_unified_attention
 
     spec = engine.runner.pool.spec
     device = engine.runner.device  # the CPU in Triton's interpreter, or a GPU under make test-gpu
@@ -37,19 +37,7 @@ def test_the_start_up_check_passes_for_the_models_shape(engine, cache_dtype: str
         4,
         device,
     )
-    assert unified_check(engine.runner.model, pool, device) is None
-
-
-def test_the_check_names_a_kernel_that_disagrees(engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.engine.torch import paged_attention
-    from service.engine.torch.decode_path import unified_check
-
-    def wrong(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return torch.zeros_like(q)
-
-    monkeypatch.setattr(paged_attention, "paged_unified_attention", wrong)
-    why = unified_check(engine.runner.model, engine.runner.pool, engine.runner.device)
-    assert why is not None and "differs from gathered attention" in why
+    assert check_unified_attention(engine.runner.model, pool, device, 64) is None
 
 
 def test_the_engine_generates_the_same_through_the_unified_kernel(

@@ -61,6 +61,11 @@ async def metadata(request: Request) -> dict[str, Any]:
             }
         ],
         "selectedProfile": info.profile() if info else None,
+        # The CUDA paths with a proven fallback: used or not, and why (start-up checks, settings).
+        "executionPaths": {
+            path.name: {"used": path.used, "reason": path.reason, "setting": path.setting}
+            for path in (info.engine.paths if info else ())
+        },
         "phase": state.phase,
         "versions": _versions(),
     }

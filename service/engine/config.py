@@ -200,6 +200,10 @@ class EngineConfig:
     lora: LoraConfig | None = None
     enforce_eager: bool = False  # no CUDA graphs or compiled steps (debugging)
     fused_kernels: bool = False  # CUDA: Triton kernels for norms, SiLU-mul and RoPE
+    # CUDA paths checked at start against the proven path (and off when False): steps with prompt
+    # chunks through the unified attention kernel; fp8 layers through torch._scaled_mm.
+    unified_attention: bool = True
+    fp8_scaled_mm: bool = True
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

@@ -83,10 +83,12 @@ from service.engine.protocol import (
     RequestOutput,
 )
 from service.telemetry.logging import JSONLinesFormatter
+from service.util import one_line
 
 log = logging.getLogger(__name__)
 
 EngineProcessMode = Literal["auto", "on", "off"]  # NIM_ENGINE_PROCESS
+ENGINE_PROCESS_SETTING = "NIM_ENGINE_PROCESS=off"  # what turns it off (/v1/metadata's executionPaths)
 STOP_TIMEOUT_S = 40.0  # a stop: the engine's own (its thread joins in 30 s, then its ranks)
 KILL_GRACE_S = 5.0  # after terminate, before kill
 
@@ -96,21 +98,38 @@ FatalCallback = Callable[[BaseException], None]
 # --- The choice ---------------------------------------------------------------------------------
 
 
+class EngineProcessError(EngineDeadError):
+    """The engine process could not be started, or ended before it said why (not a refusal of the
+    engine's: those are raised as themselves)."""
+
+
 def wrap_in_process(mode: EngineProcessMode, config: EngineConfig) -> bool:
-    """Whether the engine runs in a process of its own (NIM_ENGINE_PROCESS): `on` always (the torch
-    engine only; another engine refuses it in one line), `off` never, `auto` on CUDA with one rank
-    only (on CPUs the two processes share the cores the step needs, so off there until the CPU bars
-    are measured with it; tensor-parallel ranks under an engine process are not tested yet)."""
+    """Whether the engine runs in a process of its own (NIM_ENGINE_PROCESS)."""
+    return not_in_process(mode, config) is None
+
+
+def not_in_process(mode: EngineProcessMode, config: EngineConfig) -> str | None:
+    """None when the engine runs in a process of its own (NIM_ENGINE_PROCESS), else why not: `on`
+    always (the torch engine only; another engine refuses it in one line), `off` never, `auto` on
+    CUDA with one rank only (on CPUs the two processes share the cores the step needs, so off there
+    until the CPU bars are measured with it; tensor-parallel ranks under an engine process are not
+    tested yet)."""
     if mode == "off":
-        return False
+        return "NIM_ENGINE_PROCESS=off"
     if config.engine != "torch":
         if mode == "on":
             raise UnsupportedConfigError(
                 f"NIM_ENGINE_PROCESS=on: only the torch engine runs in an engine process of its own; "
                 f"profile {config.profile_name} runs {config.engine} (set NIM_ENGINE_PROCESS=auto or off)"
             )
-        return False
-    return mode == "on" or (config.tensor_parallel_size == 1 and _runs_on_cuda(config))
+        return f"the {config.engine} engine runs in the server's process"
+    if mode == "on":
+        return None
+    if config.tensor_parallel_size != 1:
+        return "NIM_ENGINE_PROCESS=auto: tensor-parallel ranks under an engine process are not tested yet"
+    if not _runs_on_cuda(config):
+        return "NIM_ENGINE_PROCESS=auto: on the CPU the engine runs in the server's process"
+    return None
 
 
 def _runs_on_cuda(config: EngineConfig) -> bool:
@@ -139,7 +158,13 @@ def load_in_process(config: EngineConfig, on_fatal: FatalCallback | None = None)
     )
     # Not a daemon: a daemonic process may not start processes (tensor-parallel ranks).
     process = context.Process(target=engine_main, args=(setup, theirs), name="engine-core", daemon=False)
-    process.start()
+    try:
+        process.start()
+    except Exception as exc:
+        ours.close()
+        theirs.close()
+        why = one_line(exc, with_type=True)
+        raise EngineProcessError(f"the engine process could not be started: {why}") from exc
     theirs.close()  # the engine process holds the only other end: its exit closes the pipe
     # An exit while it loads (the server stopped meanwhile) ends it, before multiprocessing's own
     # exit handler would wait for it; the engine registers its own once made.
@@ -163,12 +188,12 @@ def _await_loaded(conn: Connection, process: BaseProcess) -> Loaded:
     while not conn.poll(0.2):
         if not process.is_alive():
             process.join()
-            raise EngineDeadError(f"{_describe_exit(process)} while loading")
+            raise EngineProcessError(f"{_describe_exit(process)} while loading")
     try:
         message = conn.recv()
     except EOFError:
         process.join()
-        raise EngineDeadError(f"{_describe_exit(process)} while loading") from None
+        raise EngineProcessError(f"{_describe_exit(process)} while loading") from None
     if isinstance(message, Failed):
         raise message.error
     if not isinstance(message, Loaded):
@@ -411,6 +436,8 @@ class ProcessEngine:
                 _settle(call, message.error)
         elif isinstance(message, Started | Failed):
             error = message.error if isinstance(message, Failed) else None
+            if isinstance(message, Started):
+                self._info = message.info
             with self._lock:
                 starting, self._starting = self._starting, None
                 self._exit_expected |= error is not None  # it exits next, as asked

@@ -101,7 +101,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Started:
-    pass
+    info: EngineInfo  # what the engine is once started (its decode graphs captured)
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ class EngineCore:
             self.send(Failed(portable(exc)))
             self._exit(1)
             return
-        self.send(Started())
+        self.send(Started(self.engine.info))
         self.loop.create_task(self._tick())
 
     async def _stop(self) -> None:

@@ -238,6 +238,18 @@ class EngineFeatures:
 
 
 @dataclass(frozen=True)
+class PathChoice:
+    """Whether one execution path that has a proven fallback runs, and why (/v1/metadata shows
+    these): CUDA code that has not been measured on a GPU is checked at start against the path it
+    replaces and falls back, with one log line, when the check fails."""
+
+    name: str  # "unified_attention", "cuda_graphs", "fp8_scaled_mm", "fused_kernels", "engine_process"
+    used: bool
+    reason: str  # one line: the check passed, what failed, the setting, or why it does not apply
+    setting: str  # the variable that turns it off
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What a loaded engine is and runs, as /v1/models, /v1/metadata and the logs report it."""
 
@@ -255,6 +267,7 @@ class EngineInfo:
     features: EngineFeatures = EngineFeatures()
     max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no adapters served
     max_num_seqs: int = 0  # requests the engine runs at once (NIM's num_request_max); 0: not known
+    paths: tuple[PathChoice, ...] = ()  # the execution paths with a fallback, as decided at start
 
 
 class EngineDeadError(RuntimeError):

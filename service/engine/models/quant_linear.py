@@ -168,10 +168,15 @@ class FP8Linear(QuantLinear):
         if weight.input_scale is not None:
             self.register_buffer("input_scale", weight.input_scale.reshape(1, 1).float().to(device))
 
+    def emulated(self, x: Tensor) -> Tensor:
+        """The weight-only path: the weight dequantized into the activation dtype (what runs where
+        fp8 is not native, and what the native path is checked against at start)."""
+        weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
+        return F.linear(x, weight, self.bias)
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
-            weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
-            return F.linear(x, weight, self.bias)
+            return self.emulated(x)
         if self.static_input:
             x_scale = self.input_scale.expand(x.shape[0], 1)
         else:  # one scale per token

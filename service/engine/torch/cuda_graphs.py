@@ -17,6 +17,10 @@ depends on a host-side value.
 
 Only steps whose every sequence decodes one token and samples run here; prefill and mixed steps
 run eagerly.
+
+A bucket whose capture fails, or whose replay at start disagrees with the same step run eagerly
+(random tokens over real blocks of the still empty pool), is dropped with a log line: its batch
+sizes run in the next larger captured bucket, or eagerly above the largest.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from service.engine.models.base import CausalLM
+from service.engine.protocol import PathChoice
 from service.engine.torch.kv_pool import KVPool
+from service.engine.torch.startup_checks import GRAPHS_SETTING, close_enough
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.triton_attention import paged_decode_attention
-from service.util import cdiv
+from service.util import cdiv, one_line
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +108,14 @@ class CudaGraphDecoder:
         self.padding[TABLE] = pool.scratch_block
         self.staged[:] = self.padding
         self.inputs.copy_(self.staging)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the buckets captured and checked
+        self.dropped: dict[int, str] = {}  # bucket -> why its capture or check failed
         self.output: torch.Tensor | None = None  # [max_batch, V] float32: every graph's logits
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> its rows of `output`
 
     def can_run(self, plan: StepPlan) -> bool:
         # Only once captured: the warm-up request before capture runs eagerly.
-        return bool(self.graphs) and self.fits(plan)
+        return bool(self.graphs) and self.fits(plan) and plan.num_sequences <= max(self.graphs)
 
     def fits(self, plan: StepPlan) -> bool:
         """Whether a graph computes this step: every sequence decodes one token and samples."""
@@ -117,6 +125,22 @@ class CudaGraphDecoder:
             and all(plan.sample)
             and not any(plan.prompt_logits)
         )
+
+    def choice(self) -> PathChoice:
+        """What capture gave, as /v1/metadata reports it."""
+        if not self.graphs and not self.dropped:
+            return PathChoice("cuda_graphs", False, "not captured yet", GRAPHS_SETTING)
+        dropped = "; ".join(f"batch {b}: {why}" for b, why in sorted(self.dropped.items()))
+        if not self.graphs:
+            return PathChoice("cuda_graphs", False, f"every capture failed, decodes run eagerly ({dropped})",
+                              GRAPHS_SETTING)  # fmt: skip
+        reason = (
+            f"decode steps replay graphs for batch sizes {sorted(self.graphs)}, each checked against "
+            "the eager step"
+        )
+        if dropped:
+            reason += f"; dropped (run in a larger graph or eagerly): {dropped}"
+        return PathChoice("cuda_graphs", True, reason, GRAPHS_SETTING)
 
     def capture(self) -> float:
         """Capture every bucket's graph (largest first, sharing one memory pool); returns seconds.
@@ -130,24 +154,76 @@ class CudaGraphDecoder:
         started = time.monotonic()
         free_before = _free_memory(self.device)
         memory_pool = torch.cuda.graph_pool_handle()
+        vocab = self.model.config.vocab_size
+        self.output = torch.empty(self.max_batch, vocab, dtype=torch.float32, device=self.device)
         with torch.inference_mode():
             for bucket in reversed(self.buckets):
-                logits = self.forward(bucket)  # warm-up: kernels compiled, workspaces allocated
-                if self.output is None:
-                    self.output = torch.empty_like(logits)  # the largest bucket comes first
-                del logits
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=memory_pool):
-                    self.output[:bucket].copy_(self.forward(bucket))
+                try:
+                    graph = self._capture(bucket, memory_pool)
+                    why = self._check(bucket, graph)
+                except Exception as exc:  # a capture CUDA refuses: this bucket runs without a graph
+                    why = one_line(exc, with_type=True)
+                if why is not None:
+                    self.dropped[bucket] = why
+                    log.warning(
+                        "the decode CUDA graph for batch size %d is dropped (its steps run in a larger "
+                        "graph or eagerly; %s skips graphs): %s", bucket, GRAPHS_SETTING, why,
+                    )  # fmt: skip
+                    continue
                 self.logits[bucket] = self.output[:bucket]
                 self.graphs[bucket] = graph
+        self.staged[:] = self.padding
         free_after = _free_memory(self.device)
         seconds = time.monotonic() - started
         taken = (free_before - free_after) / 2**30
         log.info("captured %d CUDA graphs for decode batch sizes %s in %.1f s, taking %.2f GiB of "
-                 "device memory", len(self.graphs), self.buckets, seconds, taken)  # fmt: skip
+                 "device memory", len(self.graphs), sorted(self.graphs), seconds, taken)  # fmt: skip
         return seconds
+
+    def _capture(self, bucket: int, memory_pool: Any) -> torch.cuda.CUDAGraph:
+        assert self.output is not None
+        logits = self.forward(bucket)  # warm-up: kernels compiled, workspaces allocated
+        if logits.shape != self.output[:bucket].shape:
+            raise RuntimeError(f"the step's logits are {tuple(logits.shape)}, not [{bucket}, vocab]")
+        del logits
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=memory_pool):
+            self.output[:bucket].copy_(self.forward(bucket))
+        return graph
+
+    def _check(self, bucket: int, graph: torch.cuda.CUDAGraph) -> str | None:
+        """Replay `graph` on a step of random tokens over real blocks (the pool holds no request
+        yet) against the same step run eagerly; None when the logits agree."""
+        assert self.output is not None
+        rows = self._stage_check(bucket)
+        want = self.forward(bucket)[:rows].clone()
+        graph.replay()
+        got = self.output[:rows]
+        bound = 1e-4 if self.model.activation_dtype == torch.float32 else 2e-2
+        why = close_enough(got, want, bound)
+        return None if why is None else f"its replay {why} from the eager step"
+
+    def _stage_check(self, bucket: int) -> int:
+        """Stage `bucket` rows of random tokens, each decoding at a different context length over
+        blocks of its own; the rows that got blocks (the rest are padding)."""
+        block = self.pool.spec.block_size
+        width = min(cdiv(40, block), self.staging.shape[1] - TABLE)  # contexts of up to 40 tokens
+        usable = self.pool.scratch_block  # blocks [0, scratch) belong to requests, all free now
+        rows = min(bucket, usable // width)
+        generator = np.random.default_rng(bucket)
+        self.staged[:bucket] = self.padding
+        for row in range(rows):
+            length = 1 + (7 * row + 3) % (width * block)
+            table = [row * width + i for i in range(width)]
+            position = length - 1
+            self.staged[row, TOKEN] = generator.integers(0, self.model.config.vocab_size)
+            self.staged[row, POSITION] = position
+            self.staged[row, SLOT] = table[position // block] * block + position % block
+            self.staged[row, LENGTH] = length
+            self.staged[row, TABLE : TABLE + width] = table
+        self.inputs[:bucket].copy_(self.staging[:bucket])
+        return rows
 
     def forward(self, bucket: int) -> torch.Tensor:
         """The bucket's step, eagerly, from the staged inputs: what its graph replays."""
@@ -164,10 +240,15 @@ class CudaGraphDecoder:
         self.graphs[bucket].replay()
         return self.logits[bucket][: plan.num_sequences]
 
+    def bucket_for(self, count: int) -> int:
+        """The smallest captured bucket that holds `count` sequences (before capture: of all)."""
+        buckets = sorted(self.graphs) or self.buckets
+        return next(b for b in buckets if b >= count)
+
     def stage(self, plan: StepPlan) -> int:
         """Write the plan into the input buffer (padding the rest of its bucket); the bucket."""
         count = plan.num_sequences
-        bucket = next(b for b in self.buckets if b >= count)
+        bucket = self.bucket_for(count)
         staged = self.staged
         staged[:count, TOKEN] = plan.input_ids
         staged[:count, POSITION] = plan.positions

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -151,6 +151,7 @@ class TorchEngineConfig:
     # What the decode path (service.engine.torch.decode_path) is decided from, once, at build:
     decode_kernel: bool = False  # the Triton paged kernel runs here (CUDA)
     enforce_eager: bool = False  # NIM_ENFORCE_EAGER: no CUDA graphs, no TorchScript step
+    unified_attention: bool = True  # NIM_UNIFIED_ATTENTION: the unified kernel may run (CUDA, checked)
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
 
 
@@ -221,6 +222,8 @@ class TorchEngine:
             max_num_seqs=min(config.max_num_seqs, config.max_num_batched_tokens),  # decodes in a step
             max_model_len=config.max_model_len,
             tensor_parallel=tp_group is not None,
+            unified=config.unified_attention,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(
             model,
@@ -250,7 +253,8 @@ class TorchEngine:
 
     @property
     def info(self) -> EngineInfo:
-        return self._info
+        """What this engine is, with the decode path's decisions (the graphs' once captured)."""
+        return replace(self._info, paths=self._info.paths + self.runner.path.choices())
 
     @property
     def ready(self) -> bool:

@@ -155,6 +155,7 @@ def build_engine(
         dtype=dtype,
         decode_kernel=loaded.decode_kernel,
         enforce_eager=config.enforce_eager,  # the engine's decode path decides the rest, once
+        unified_attention=config.unified_attention,
         guided=config.guided,
     )
     quantized = config.precision not in FLOAT_PRECISIONS
@@ -177,6 +178,7 @@ def build_engine(
         ),
         max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
         max_num_seqs=config.scheduler.max_num_seqs,
+        paths=loaded.paths,  # the engine adds its decode path's
     )
     return TorchEngine(
         loaded.model,

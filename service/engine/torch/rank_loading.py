@@ -31,11 +31,20 @@ from service.engine.models.loader import (
 from service.engine.models.quant import QuantizationError
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
 from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
+from service.engine.protocol import PathChoice
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.decode_path import DecodeOptions, captures_graphs
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Reservations, budget, reserve
+from service.engine.torch.startup_checks import (
+    FP8_SETTING,
+    FUSED_SETTING,
+    check_fp8_scaled_mm,
+    check_fused_kernels,
+    token_counts,
+    use_emulated_fp8,
+)
 from service.selection.hardware import choose_device, choose_dtype, free_memory_bytes
 from service.util import cdiv
 
@@ -86,6 +95,7 @@ class RankLoad:
     mode: Mode  # how the weight precision runs
     decode_kernel: bool  # decodes attend through the Triton paged kernel (CUDA)
     lora: LoraSlots | None = None  # the model's LoRA device slots (this rank's shards)
+    paths: tuple[PathChoice, ...] = ()  # fp8 _scaled_mm and fused kernels: used, or why not
 
     def propose_blocks(self, config: EngineConfig, ranks: int) -> int:
         """KV blocks this rank can hold; on the CPU, `ranks` ranks share the host's memory. On
@@ -204,8 +214,10 @@ def load_rank(
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     except UnsupportedModelError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
-    if config.fused_kernels:
-        model.use_fused_kernels()
+    fp8, mode = _fp8_path(model, config, mode)
+    paths = (fp8, _fused_path(model, config))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
     if prepacking_supported(dtype, device):
         model.prepack_for_cpu()
     log.info(
@@ -235,7 +247,49 @@ def load_rank(
     lora = None
     if config.lora is not None:  # before the KV cache takes its share of memory
         lora = LoraSlots.attach(model, config.lora.max_gpu_loras, config.lora.max_rank, layout)
-    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel, lora)
+    return RankLoad(model, model_config, kv_spec, max_model_len, mode, decode_kernel, lora, paths)
+
+
+def _fp8_path(model: CausalLM, config: EngineConfig, mode: Mode) -> tuple[PathChoice, Mode]:
+    """Whether fp8 layers run torch._scaled_mm (checked against their emulation first), and the
+    precision mode that leaves."""
+
+    def chosen(used: bool, reason: str) -> PathChoice:
+        return PathChoice("fp8_scaled_mm", used, reason, FP8_SETTING)
+
+    if config.precision != "fp8":
+        return chosen(False, f"the profile's weights are {config.precision}, not fp8"), mode
+    if mode != "native":
+        return chosen(False, "fp8 runs emulated here: _scaled_mm needs a CUDA GPU of compute capability "
+                      "8.9+"), mode  # fmt: skip
+    if not config.fp8_scaled_mm:
+        use_emulated_fp8(model)
+        return chosen(False, f"{FP8_SETTING}: fp8 weights are dequantized for each matmul"), "emulated"
+    started = time.monotonic()
+    budget = config.scheduler.max_num_batched_tokens
+    why = check_fp8_scaled_mm(model, budget)
+    if why is not None:
+        use_emulated_fp8(model)
+        log.warning("%s; fp8 layers run emulated (%s skips the check)", why, FP8_SETTING)
+        return chosen(False, f"{why}; running the proven path (emulated) instead"), "emulated"
+    seconds = time.monotonic() - started
+    counts = token_counts(budget)
+    return chosen(True, f"its start-up check agreed with the dequantized matmul for every layer shape at "
+                  f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s)"), mode  # fmt: skip
+
+
+def _fused_path(model: CausalLM, config: EngineConfig) -> PathChoice:
+    """Whether the fused Triton kernels run (NIM_FUSED_KERNELS=1, checked against PyTorch's ops)."""
+    if not config.fused_kernels:
+        return PathChoice("fused_kernels", False, "off (NIM_FUSED_KERNELS=1 turns them on; experimental)",
+                          FUSED_SETTING)  # fmt: skip
+    model.use_fused_kernels()
+    why = check_fused_kernels(model)
+    if why is not None:
+        model.use_fused_kernels(False)
+        log.warning("%s; norms, SiLU-mul and RoPE run as PyTorch's ops (%s)", why, FUSED_SETTING)
+        return PathChoice("fused_kernels", False, f"{why}; running PyTorch's ops instead", FUSED_SETTING)
+    return PathChoice("fused_kernels", True, "its start-up check agreed with PyTorch's ops", FUSED_SETTING)
 
 
 def decode_kernel_supported(spec: KVCacheSpec) -> bool:

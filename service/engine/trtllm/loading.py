@@ -100,6 +100,10 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         )
     if config.fused_kernels:
         raise refuse("NIM_FUSED_KERNELS applies to the torch engine; unset it")
+    if not config.unified_attention:
+        raise refuse("NIM_UNIFIED_ATTENTION applies to the torch engine; unset it")
+    if not config.fp8_scaled_mm:
+        raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
     if config.num_threads is not None:
         raise refuse("NIM_NUM_THREADS applies to the torch engine on the CPU; unset it")
     if config.collective_timeout_s is not None:
