@@ -31,7 +31,9 @@ counted in `reconnects`.
 
 Prints a JSON document (config, machine, both servers' versions and commands, every round,
 medians, ratios, the exact command) to stdout, a short table to stderr; --out also writes it to a
-file. Machines here are shared and noisy: compare ratios measured in one run.
+file, rewritten after every run (a run cut short by a deadline leaves what it measured). A run whose
+requests failed records `errors` and its first error instead of stopping the others; the exit
+status is then 1. Machines here are shared and noisy: compare ratios measured in one run.
 """
 
 from __future__ import annotations
@@ -186,12 +188,13 @@ async def run_load(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
     errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError(f"{url}: {len(errors)} of {len(results)} requests failed, first: {errors[0]}")
+    results = [r for r in results if not r.error] or results
     ttfts = [r.ttft for r in results]
-    itls = [x for r in results for x in r.itls]
+    itls = [x for r in results for x in r.itls] or [0.0]
     outputs = [r.output_tokens for r in results]
     return {
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
         "output_tok_per_s": sum(outputs) / elapsed,
         "requests_per_s": len(results) / elapsed,
         "ttft_p50_ms": 1000 * percentile(ttfts, 50),
@@ -413,7 +416,8 @@ def main() -> None:
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="compare_llama_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    need_file = not (args.ours_url and args.llama_url)
+    # The file: for llama-server, and for ours when it starts with no other model named.
+    need_file = (not args.ours_only and not args.llama_url) or not (args.ours_url or args.ours_model)
     gguf = args.gguf or (embedded_gguf(python) if need_file else None)
     servers_info: dict[str, dict[str, Any]] = {"ours": {}, "llama": {}}
 
@@ -503,6 +507,28 @@ def main() -> None:
             asyncio.run(run_load(url, models[name], warm, 1, 8))
 
         rounds: list[dict] = []
+
+        def document() -> dict[str, Any]:
+            medians, ratios = summarize(rounds, args.concurrency)
+            return {
+                "config": {
+                    key: (str(value) if isinstance(value, Path) else value)
+                    for key, value in vars(args).items()
+                    if key not in ("out", "log_dir")
+                }
+                | {"gguf": gguf, "log_dir": str(log_dir)},
+                "command": command,
+                "machine": machine_info(),
+                "servers": servers_info,
+                "rounds": rounds,
+                "median": medians,
+                "ratio_ours_over_llama": ratios,
+                "errors": sum(r["errors"] for r in rounds),
+                "complete": len(rounds) == len(args.concurrency) * args.rounds * len(urls),
+                "notes": "medians over rounds; ratios are ours / llama (above 1: ours higher, i.e. better "
+                "for tok/s, worse for latencies)",
+            }
+
         for c in args.concurrency:
             count = args.requests or max(8, 2 * c)
             for r in range(args.rounds):
@@ -512,34 +538,23 @@ def main() -> None:
                         run_load(urls[name], models[name], prompts, c, args.output_len, sampling_of(args))
                     )
                     rounds.append({"concurrency": c, "round": r, "server": name, **figures})
+                    if args.out:  # as it goes: a run cut short keeps what it measured
+                        args.out.write_text(json.dumps(document(), indent=2) + "\n")
                     print(
                         f"c={c} round {r} {name}: {figures['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {figures['ttft_p50_ms']:.0f} ms, ITL p50 {figures['itl_p50_ms']:.1f} ms",
                         file=sys.stderr,
                     )
 
-    medians, ratios = summarize(rounds, args.concurrency)
-    document = {
-        "config": {
-            key: (str(value) if isinstance(value, Path) else value)
-            for key, value in vars(args).items()
-            if key not in ("out", "log_dir")
-        }
-        | {"gguf": gguf, "log_dir": str(log_dir)},
-        "command": command,
-        "machine": machine_info(),
-        "servers": servers_info,
-        "rounds": rounds,
-        "median": medians,
-        "ratio_ours_over_llama": ratios,
-        "notes": "medians over rounds; ratios are ours / llama (above 1: ours higher, i.e. better for tok/s, "
-        "worse for latencies)",
-    }
-    text = json.dumps(document, indent=2)
+    final = document()
+    text = json.dumps(final, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
-    print_table(medians, ratios)
+    print_table(final["median"], final["ratio_ours_over_llama"])
+    if final["errors"]:
+        print(f"{final['errors']} requests failed; first: {rounds[-1].get('first_error')}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
