@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from service.engine.models.attention import CausalAttention  # noqa: E402
 from service.engine.models.cpu_linear import prepacking_supported  # noqa: E402
 from service.engine.models.loader import build_model, load_gguf  # noqa: E402
-from service.selection.hardware import choose_dtype  # noqa: E402
+from service.engine.torch.device import choose_dtype  # noqa: E402
 from service.text.tokenizer import Tokenizer  # noqa: E402
 
 

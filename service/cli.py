@@ -18,7 +18,7 @@ from typing import TypedDict
 import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
-from service.telemetry.logging import configure_logging
+from service.logs import configure_logging
 
 log = logging.getLogger("service")
 

@@ -33,6 +33,7 @@ from service.engine.config import (
     SchedulerLimits,
     step_defaults,
 )
+from service.text.chat_template import ChatTemplate
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -572,8 +573,6 @@ class Settings(BaseSettings):
 def chat_template_source(value: str) -> str:
     """NIM_CHAT_TEMPLATE's template: an existing file's text, else the value itself when it is Jinja
     (holds `{{` or `{%`); checked to compile. ValueError, one line, otherwise."""
-    from service.text.chat_template import ChatTemplate
-
     shown = repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
     try:
         path = Path(value).expanduser()

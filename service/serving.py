@@ -28,7 +28,7 @@ from service.engine.process import ENGINE_PROCESS_SETTING, EngineProcessError, l
 from service.engine.protocol import LoadedEngine, PathChoice
 from service.engine.registry import load_engine
 from service.selection.planning import Plan, make_plan, model_source
-from service.store.model_store import ModelSource
+from service.store.checkpoint import ModelSource
 from service.telemetry.metering import MeteredEngine
 from service.telemetry.metrics import Metrics
 from service.text.tokenizer import Tokenizer

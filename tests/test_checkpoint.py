@@ -20,8 +20,8 @@ from huggingface_hub import constants
 from safetensors.torch import load_file
 
 from service.config import load_settings
-from service.engine.models.config import ModelConfig
 from service.engine.torch.loading import build_engine
+from service.model.config import ModelConfig
 from service.selection import planning
 from service.selection.planning import make_plan, manifest_for, model_source
 from service.selection.profiles import Architecture, Manifest
@@ -173,7 +173,7 @@ def test_a_gguf_file(tmp_path: Path) -> None:
 def test_the_gguf_header_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
     """The inspection's reader steps over string arrays (their length kept) and reads number arrays
     at once; every other field, and every number array, reads as gguf's own reader has it."""
-    from service.store.checkpoint import _header_reader_class, gguf_strings
+    from service.model.gguf_file import _header_reader_class, gguf_strings
 
     path = tmp_path / "arrays.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

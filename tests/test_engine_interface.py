@@ -16,7 +16,6 @@ import pytest
 
 from service.config import load_settings
 from service.engine.config import UnsupportedConfigError
-from service.engine.models.config import ModelConfig
 from service.engine.protocol import (
     EngineInfo,
     EngineStats,
@@ -28,6 +27,7 @@ from service.engine.protocol import (
 from service.engine.registry import ENGINES, EngineUnavailableError, availability, load_engine
 from service.engine.torch.loading import context_length
 from service.engine.torch.step_plan import NewRequest, ScheduledSequence, build_plan
+from service.model.config import ModelConfig
 from service.serving import config_for
 from service.telemetry.metering import EngineStatsCollector, MeteredEngine
 from service.telemetry.metrics import Metrics

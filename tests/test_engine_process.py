@@ -434,7 +434,7 @@ def test_a_server_whose_engine_process_fails_ends_requests_and_exits(tmp_path: P
 def test_lora_adapters_are_served_and_mirrored_from_the_engine_process(tmp_path: Path) -> None:
     """The API process's adapter catalogue is what the engine process's store lists, rescans
     included; an adapter's greedy tokens are the in-process engine's."""
-    from service.engine.models.config import ModelConfig
+    from service.model.config import ModelConfig
     from tests import test_lora
     from tests.test_lora_serving import TARGETS
     from tests.test_tensor_parallel import _checkpoint

@@ -12,13 +12,11 @@ from typing import Any
 import pynvml
 import pytest
 
+from service.host import available_cpu_count, cpu_flags, cpu_has_fast_bf16
 from service.selection.hardware import (
     CPUInfo,
     GPUInfo,
     SystemInfo,
-    available_cpu_count,
-    cpu_flags,
-    cpu_has_fast_bf16,
     describe,
     detect_cpu,
     detect_system,

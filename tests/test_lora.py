@@ -27,8 +27,8 @@ from service.engine.lora import (
     read_adapter,
     scan_source,
 )
-from service.engine.models.config import ModelConfig
 from service.engine.models.lora_ops import MIN_ROWS, NO_ADAPTER, LoraBatch, LoraStack
+from service.model.config import ModelConfig
 
 CONFIG = ModelConfig.from_hf_config(
     {

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.engine.lora import TARGETS, block_of, read_adapter
-from service.engine.models.config import ModelConfig
+from service.model.config import ModelConfig
 from tests import test_lora
 from tests.conftest import ServerProcess
 from tests.test_quantization import serving

@@ -27,12 +27,12 @@ import torch
 from service.config import load_settings
 from service.engine.models.attention import CausalAttention
 from service.engine.models.base import CausalLM
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.gemma3 import Gemma3ForCausalLM
 from service.engine.models.loader import build_model, load_hf_dir
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
+from service.model.config import ModelConfig, UnsupportedModelError
 from service.serving import config_for
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import randomize

@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from service.engine.models.attention import CausalAttention
-from service.engine.models.config import ModelConfig
 from service.engine.models.loader import build_model, load_hf_dir
 from service.engine.models.moe import Experts, MoeForCausalLM
+from service.model.config import ModelConfig
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import randomize
 from tests.test_tensor_parallel_serving import _distinct_tokens

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 import transformers
 
 from service.engine.models.attention import CausalAttention
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.loader import (
     build_model,
@@ -40,6 +39,7 @@ from service.engine.models.loader import (
     load_safetensors_dir,
     unpermute_llama_rope_rows,
 )
+from service.model.config import ModelConfig, UnsupportedModelError
 
 torch.set_num_threads(2)
 

@@ -18,15 +18,16 @@ import torch
 import transformers
 
 from service.engine.models import registry
+from service.model import architectures
 from service.engine.models.base import CausalLM
-from service.engine.models.config import (
+from service.engine.models.loader import build_model
+from service.model.config import (
     FAMILIES,
     SUPPORTED_GGUF_ARCHITECTURES,
     SUPPORTED_HF_ARCHITECTURES,
     ModelConfig,
     UnsupportedModelError,
 )
-from service.engine.models.loader import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # The engine's modules that hold a model: none may name a model class or a model's attribute paths.
@@ -53,7 +54,7 @@ _TINY = {
 
 
 def test_every_supported_architecture_maps_to_a_model_class() -> None:
-    assert set(registry.ARCHITECTURES) == {
+    assert set(architectures.ARCHITECTURES) == {
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -63,9 +64,9 @@ def test_every_supported_architecture_maps_to_a_model_class() -> None:
         "Gemma3ForCausalLM",
     }
     assert set(FAMILIES) == set(SUPPORTED_HF_ARCHITECTURES.values())  # one config reading per family
-    assert list(SUPPORTED_HF_ARCHITECTURES) == list(registry.ARCHITECTURES)  # ModelConfig reads it
+    assert list(SUPPORTED_HF_ARCHITECTURES) == list(architectures.ARCHITECTURES)  # ModelConfig reads it
     assert SUPPORTED_GGUF_ARCHITECTURES == ("llama", "qwen2", "qwen3")
-    for name, entry in registry.ARCHITECTURES.items():
+    for name, entry in architectures.ARCHITECTURES.items():
         cls = registry.model_class(entry.family)
         assert isinstance(cls, type) and cls.__name__ == entry.class_name, name
         config = ModelConfig.from_hf_config({**_TINY, "architectures": [name]})
@@ -75,10 +76,11 @@ def test_every_supported_architecture_maps_to_a_model_class() -> None:
 def test_reading_the_registry_imports_no_model_code() -> None:
     probe = (
         "import sys\n"
-        "from service.engine.models import registry\n"
-        "from service.engine.models.config import ModelConfig\n"
+        "from service.model import architectures\n"
+        "from service.model.config import ModelConfig\n"
         "assert 'service.engine.models.llama' not in sys.modules\n"
         "assert 'torch' not in sys.modules\n"
+        "from service.engine.models import registry\n"
         "registry.model_class('qwen3')\n"
         "assert 'service.engine.models.llama' in sys.modules\n"
     )

@@ -8,13 +8,13 @@ import gguf
 import pytest
 
 from service.config import ConfigError, load_settings
-from service.engine.models.config import ModelConfig
+from service.model.config import ModelConfig
 from service.selection.planning import make_plan, model_source
+from service.store.checkpoint import ModelSource
 from service.store.model_download import DownloadError
 from service.store.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
-    ModelSource,
     PickledCheckpointError,
     embedded_model_path,
     install_embedded,

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.engine.lora import AdapterError, read_adapter
-from service.engine.models.config import ModelConfig
+from service.model.config import ModelConfig
 from tests import test_lora
 from tests.test_model_moe import FP32, _hf_greedy, _hf_model, _write
 from tests.test_quantization import serving

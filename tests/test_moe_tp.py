@@ -19,9 +19,9 @@ import pytest
 import tokenizers
 import torch
 
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.loader import build_model, hf_dir_shards, load_hf_dir
 from service.engine.models.tensor_parallel import TPLayout, shard_weights
+from service.model.config import ModelConfig, UnsupportedModelError
 from tests.test_model_moe import _hf_greedy, _hf_model, _write
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import GREEDY_TOKENS, PROMPT, _run, _tensor_parallel

@@ -12,7 +12,7 @@ import torch
 
 from service.engine import config as engine_config
 from service.engine.models import quant_cache, quant_linear
-from service.engine.models.quant import FORMATS, Int4Weight, QuantizationError, quantize
+from service.engine.models.quant import FORMATS, Int4Weight, quantize
 from service.engine.precision import (
     FLOAT_PRECISIONS,
     PRECISION_SPECS,
@@ -26,6 +26,7 @@ from service.engine.precision import (
 )
 from service.engine.registry import ENGINES
 from service.engine.torch.scripted_decode import linear_args
+from service.model.quantization import QuantizationError
 from service.selection import profiles
 
 QUANTIZED = [s for s in SPECS if s.quantized]

@@ -244,8 +244,8 @@ def test_nim_fp8_scaled_mm_off_runs_fp8_emulated_without_a_check(monkeypatch: py
 
 
 def _tiny_llama() -> CausalLM:
-    from service.engine.models.config import ModelConfig
     from service.engine.models.loader import build_model
+    from service.model.config import ModelConfig
 
     config = ModelConfig(
         architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,

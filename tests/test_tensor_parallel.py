@@ -19,9 +19,8 @@ import torch
 import transformers
 
 from service.engine.models.attention import CausalAttention
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.loader import build_model, load_hf_dir
-from service.engine.models.quant import FP8Weight, Int4Weight, Int8Weight, QuantizationError
+from service.engine.models.quant import FP8Weight, Int4Weight, Int8Weight
 from service.engine.models.tensor_parallel import (
     ProcessGroupCollectives,
     TPLayout,
@@ -29,6 +28,8 @@ from service.engine.models.tensor_parallel import (
     slice_columns,
     slice_rows,
 )
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import QuantizationError
 
 PROMPT = [5, 17, 99, 3, 249, 42, 7, 180, 66, 12, 201, 33]
 GREEDY_TOKENS = 6

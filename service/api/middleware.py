@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import error_body
 from service.api.security import APIKeyStore
-from service.telemetry.logging import TraceContext, request_id_var, trace_var
+from service.logs import TraceContext, request_id_var, trace_var
 from service.telemetry.tracing import RequestTracing, span_ids
 
 OPEN_PATHS = frozenset(("/v1/metrics", "/metrics", "/v1/version", "/openapi.json", "/redoc"))

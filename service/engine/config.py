@@ -11,19 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal, cast
 
 from service.engine.precision import SPECS
-
-if TYPE_CHECKING:
-    from service.store.checkpoint import Checkpoint
-    from service.text.tokenizer import Tokenizer
+from service.model.config import ModelFormat
+from service.store.checkpoint import Checkpoint
+from service.text.tokenizer import Tokenizer
 
 # The vocabularies shared by Settings, profiles and engines; each is defined here only.
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
-ModelFormat = Literal["gguf", "hf_dir"]
 
 # Profile precision tags of the unquantized dtypes, and back (NIM_DTYPE names dtypes).
 PRECISION_DTYPES: dict[str, DType] = {s.name: cast(DType, s.dtype) for s in SPECS if s.dtype is not None}
@@ -213,10 +211,6 @@ class EngineConfig:
     engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines
 
     def load_tokenizer(self) -> Tokenizer:
-        """The tokenizer in the model's files: a GGUF's own vocabulary, else the directory's (every
-        engine reads it here, and so does the API process beside an engine process)."""
-        from service.text.tokenizer import Tokenizer  # not at import: this module stays light
-
-        if self.model_format == "gguf":
-            return Tokenizer.from_gguf(self.model_path)
-        return Tokenizer.from_directory(self.model_path, self.checkpoint.metadata)
+        """The tokenizer in the model's files (every engine reads it here, and so does the API
+        process beside an engine process)."""
+        return Tokenizer.from_model_files(self.model_path, self.model_format, self.checkpoint.metadata)

@@ -45,9 +45,9 @@ from typing import Any, TypeGuard, TypeVar
 import safetensors.torch
 import torch
 
-from service.engine.models.config import ModelConfig
 from service.engine.models.llama import PROJECTIONS
 from service.engine.models.registry import model_class
+from service.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

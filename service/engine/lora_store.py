@@ -37,7 +37,7 @@ from pathlib import Path
 
 from service.engine.config import LoraConfig
 from service.engine.lora import AdapterError, LoraAdapter, read_adapter, scan_source
-from service.engine.models.config import ModelConfig
+from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

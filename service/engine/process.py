@@ -82,7 +82,7 @@ from service.engine.protocol import (
     LoadedEngine,
     RequestOutput,
 )
-from service.telemetry.logging import JSONLinesFormatter
+from service.logs import JSONLinesFormatter
 from service.util import one_line
 
 log = logging.getLogger(__name__)

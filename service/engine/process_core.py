@@ -36,6 +36,8 @@ from service.engine.protocol import (
     LoadedEngine,
     RequestOutput,
 )
+from service.engine.registry import load_engine
+from service.logs import configure_logging
 from service.util import on_new_thread, one_line
 
 log = logging.getLogger(__name__)
@@ -161,8 +163,6 @@ class ChildSetup:
 
 def engine_main(setup: ChildSetup, conn: Connection) -> None:
     """The engine process's whole life (the spawned process's target)."""
-    from service.telemetry.logging import configure_logging
-
     # A session of its own: a terminal's ^C or a signal to the server's process group is the API
     # process's to handle (it drains, then stops this one); this process ends when told to, or
     # when the API process is gone.
@@ -214,8 +214,6 @@ class EngineCore:
     async def run(self) -> int:
         threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
         config = self.setup.config
-        from service.engine.registry import load_engine  # the registry imports no engine package
-
         try:
             loaded = await on_new_thread(load_engine, config, self._died, name="engine-load")
         except Exception as exc:

@@ -1,24 +1,19 @@
 """What this machine offers: the accelerators NVML reports, the CPU, and the engine's device and dtype.
 
-Two halves:
-
 * `detect_system()` builds a `SystemInfo` (GPUs with compute capability, memory, MIG mode and NVLink
   peers; driver and CUDA versions; the CPU) through NVML. Every later decision (profile selection,
   `list-model-profiles`) takes a `SystemInfo`, never NVML itself, so tests and `--system FILE` can inject a
   description (`load_system`, JSON written by `SystemInfo.to_dict`) and exercise any GPU box on a laptop.
   Detection never crashes for want of a GPU: no `pynvml`, no `libnvidia-ml`, no driver all give a CPU-only
   `SystemInfo` whose `nvml_status` says why.
-* `choose_device` / `choose_dtype` / `free_memory_bytes` answer "where and in what precision does the
-  PyTorch engine run" from what PyTorch itself sees.
+* The host's own facts (CPU flags, the container's CPUs and memory) come from service.host; where
+  and in what precision the PyTorch engine runs is service.engine.torch.device's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import math
-import os
 import platform
 import re
 from collections.abc import Mapping, Sequence
@@ -27,126 +22,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """ISA flags from /proc/cpuinfo (empty where it does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls beat fp32 only with native bf16 instructions (AVX512-BF16 or AMX)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def choose_device(requested: str) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("NIM_DEVICE=cuda but no CUDA device is available to PyTorch")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
-    if requested != "auto":
-        return getattr(torch, requested)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def available_cpu_count(cgroup_root: Path = CGROUP_ROOT) -> int:
-    """CPUs this process may use: its affinity, lowered to the container's CPU quota (rounded up).
-
-    A pod limited to 4 CPUs on a 64-core node still sees 64 in its affinity; running 64 threads
-    under a 4-CPU quota is throttled into long stalls (and missed health probes)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota(cgroup_root)
-    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
-
-
-def _cgroup_cpu_quota(root: Path) -> float | None:
-    """CPUs' worth of time per period allowed by cgroup v2 (cpu.max) or v1 (cfs quota), if limited."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return None if quota_us <= 0 else quota_us / period_us
-    except (OSError, ValueError, ZeroDivisionError):
-        return None
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory this process could still allocate on `device`.
-
-    On CPU: the kernel's MemAvailable, lowered to the cgroup's remaining allowance when the
-    container has a memory limit (what an orchestrator enforces, not what the host has).
-    """
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    available = _meminfo_available()
-    cgroup_room = _cgroup_room()
-    return min(available, cgroup_room) if cgroup_room is not None else available
-
-
-def _meminfo_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _cgroup_room() -> int | None:
-    root = Path("/sys/fs/cgroup")
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return max(0, int(limit) - int((root / "memory.current").read_text()))
-    except (OSError, ValueError):
-        return None
-
-
-def _meminfo_total() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _cgroup_limit() -> int | None:
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        return None if limit == "max" else int(limit)
-    except (OSError, ValueError):
-        return None
-
+from service.host import (
+    available_cpu_count,
+    cgroup_memory_limit,
+    cpu_flags,
+    host_memory_available,
+    meminfo_total,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # System inventory: data model
@@ -508,15 +390,15 @@ def detect_cpu() -> CPUInfo:
     block = _cpuinfo_first_block()
     model = block.get("model name") or block.get("Model") or block.get("Hardware") or platform.processor()
     flags = cpu_flags() | frozenset(block.get("Features", "").split())
-    total = _meminfo_total()
-    limit = _cgroup_limit()
+    total = meminfo_total()
+    limit = cgroup_memory_limit()
     if limit is not None:
         total = min(total, limit)
     return CPUInfo(
         model_name=(model or platform.machine() or "unknown").strip(),
         cores=available_cpu_count(),
         memory_total=total,
-        memory_available=min(free_memory_bytes(torch.device("cpu")), total),
+        memory_available=min(host_memory_available(), total),
         isa_flags=tuple(f for f in INTERESTING_ISA_FLAGS if f in flags),
         architecture=platform.machine(),
     )

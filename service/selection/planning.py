@@ -13,10 +13,9 @@ from pathlib import Path
 
 from service.config import Settings
 from service.engine.config import PRECISION_TAGS, UnsupportedConfigError
-from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.modelopt import HF_QUANT_CONFIG
-from service.engine.models.quant import QuantizationError
 from service.engine.registry import ENGINES, available_engines
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import HF_QUANT_CONFIG, QuantizationError
 from service.selection.hardware import SystemInfo, detect_system, load_system
 from service.selection.profiles import (
     Architecture,
@@ -33,6 +32,7 @@ from service.selection.profiles import (
 from service.store.checkpoint import (
     CONFIG_FILE,
     Checkpoint,
+    ModelSource,
     inspect_hub_config,
     inspect_local,
     with_local_weights,
@@ -41,7 +41,6 @@ from service.store.model_download import DEFAULT_ALLOW_PATTERNS, ArtifactSpec, d
 from service.store.model_store import (
     EMBEDDED_MODEL_NAME,
     ModelNotFoundError,
-    ModelSource,
     default_served_name,
     embedded_model_path,
     looks_like_hub_id,

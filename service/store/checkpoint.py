@@ -25,11 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from service.engine.config import ModelFormat
-from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.modelopt import CheckpointQuantization, checkpoint_quantization
+from service.model.config import ModelConfig, ModelFormat, UnsupportedModelError
+from service.model.gguf_file import gguf_reader
+from service.model.quantization import CheckpointQuantization, checkpoint_quantization
 from service.store.model_store import (
     PICKLE_SUFFIXES,
     check_model_dir,
@@ -37,7 +35,6 @@ from service.store.model_store import (
 )
 
 if TYPE_CHECKING:
-    import gguf
     from huggingface_hub import HfApi
 
 log = logging.getLogger(__name__)
@@ -159,59 +156,6 @@ def _inspect_gguf(path: Path, store: dict[str, Any] | None = None) -> Checkpoint
     return Checkpoint(path, "gguf", config, metadata, None, tensors, (), store)
 
 
-def gguf_reader(path: Path | str) -> gguf.GGUFReader:
-    """A GGUF file's metadata and tensors (memory-mapped), read as gguf's own reader reads them but
-    in a fraction of its CPU time (0.1 s against 6 s for a 49k vocabulary): string arrays keep their
-    length only; `gguf_strings` decodes one when it is needed (a tokenizer's vocabulary)."""
-    return _header_reader_class()(str(path))
-
-
-def gguf_strings(reader: gguf.GGUFReader, key: str) -> list[str]:
-    """The string array `key` of a `gguf_reader`'s file, decoded (strict UTF-8, as gguf decodes them)."""
-    field = reader.fields[key]
-    # A field's parts: key length, key, value type, item type, count; the strings follow the count.
-    offset = field.offset + sum(int(part.nbytes) for part in field.parts[:5])
-    view = memoryview(reader.data.data)
-    strings = []
-    for _ in range(int(field.parts[4][0])):
-        (length,) = _STRING_LENGTH.unpack_from(view, offset)
-        offset += 8
-        strings.append(bytes(view[offset : offset + length]).decode("utf-8"))
-        offset += length
-    return strings
-
-
-def _header_reader_class() -> type:
-    """gguf's reader, less its slowest part: a string array (a vocabulary, its merges) is stepped
-    over, not split into one memory-mapped part per string, and a number array is read at once
-    (seconds of CPU for a 49k vocabulary, which the loader and tokenizer parse again anyway). A
-    string array keeps its length (one data index per string, as ModelConfig.from_gguf counts
-    tokens) but not its strings; the inspection keeps scalars only. Number arrays read as gguf's."""
-    import gguf
-
-    class HeaderReader(gguf.GGUFReader):
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-            if raw_type != gguf.GGUFValueType.ARRAY:
-                return super()._get_field_parts(orig_offs, raw_type)
-            item_type = self._get(orig_offs, np.uint32)
-            count = self._get(orig_offs + 4, np.uint64)
-            n, offs = int(count[0]), orig_offs + 12
-            types = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(int(item_type[0]))]
-            if types[1] == gguf.GGUFValueType.STRING:
-                view = memoryview(self.data.data)  # the memory map's buffer
-                for _ in range(n):
-                    offs += 8 + _STRING_LENGTH.unpack_from(view, offs)[0]
-                return offs - orig_offs, [item_type, count], [1] * n, types
-            numbers = self.gguf_scalar_to_np.get(types[1])
-            if numbers is None:  # nested arrays: as gguf reads them
-                return super()._get_field_parts(orig_offs, raw_type)
-            values = np.array(self._get(offs, numbers, n))  # one read, then a part per element
-            parts = [item_type, count, *values.reshape(-1, 1)]
-            return offs + values.nbytes - orig_offs, parts, list(range(2, 2 + n)), types
-
-    return HeaderReader
-
-
 def weight_files(path: Path) -> tuple[Path, ...]:
     """The safetensors files of a directory: the shards its index names, else every *.safetensors."""
     if not path.is_dir():
@@ -314,3 +258,20 @@ def _hub_weight_files(api: HfApi, repo: str, revision: str | None) -> list[str]:
         except EntryNotFoundError:
             return [SAFETENSORS_SINGLE]
         return _index_shards(Path(index))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the engine loads: the checkpoint, inspected once (`inspect_local`, `inspect_hub_config`), and the
+    name the API serves it under."""
+
+    checkpoint: Checkpoint
+    served_name: str
+
+    @property
+    def kind(self) -> ModelFormat:
+        return self.checkpoint.model_format
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path

@@ -21,12 +21,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from service.store.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +42,6 @@ class ModelNotFoundError(FileNotFoundError):
 
 class PickledCheckpointError(ValueError):
     """Only pickled weights were found; they can execute code when loaded and are refused."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """What the engine loads: the checkpoint, inspected once (service.store.checkpoint), and the
-    name the API serves it under."""
-
-    checkpoint: Checkpoint
-    served_name: str
-
-    @property
-    def kind(self) -> Literal["gguf", "hf_dir"]:
-        return self.checkpoint.model_format
-
-    @property
-    def path(self) -> Path:
-        return self.checkpoint.path
 
 
 def embedded_model_path(store: Path = REPO_MODEL_STORE) -> Path:

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import tokenizers
 
+from service.model.config import ModelFormat
+from service.model.gguf_file import gguf_reader, gguf_strings
 from service.text.chat_template import NO_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, TemplateCache
 from service.text.gguf_vocab import (
     added_tokens,
@@ -47,10 +50,6 @@ class InvalidTextError(ValueError):
 
 
 def _read_gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
-    import gguf  # only GGUF models need it
-
-    from service.store.checkpoint import gguf_reader, gguf_strings
-
     try:
         reader = gguf_reader(path)
         strings = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
@@ -164,6 +163,16 @@ class Tokenizer:
         self._byte_decoder = {ch: b for b, ch in byte_alphabet().items()} if byte_level else None
 
     # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_model_files(
+        cls, path: Path, model_format: ModelFormat, hf_config: Mapping[str, Any] | None = None
+    ) -> Tokenizer:
+        """The tokenizer in a model's files: a GGUF file's own vocabulary, else the directory's (every
+        engine reads it here, and so does the API process beside an engine process)."""
+        if model_format == "gguf":
+            return cls.from_gguf(path)
+        return cls.from_directory(path, hf_config)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:

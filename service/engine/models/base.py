@@ -13,19 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol, Self
 
 import torch
 from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
-from service.engine.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from typing import Self
-
-    from service.engine.models.quant import QuantizedWeight
-    from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.engine.models.quant import QuantizedWeight
+from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

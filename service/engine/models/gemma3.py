@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
-from service.engine.models.config import ModelConfig, UnsupportedModelError
+from service.engine.models.base import CausalLM
 from service.engine.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -41,9 +41,7 @@ from service.engine.models.llama import (
     RotaryEmbedding,
 )
 from service.engine.models.quant import QuantizedWeight
-
-if TYPE_CHECKING:
-    from service.engine.models.base import CausalLM
+from service.model.config import ModelConfig, UnsupportedModelError
 
 
 @functools.cache

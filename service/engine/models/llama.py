@@ -27,13 +27,12 @@ from torch import Tensor, nn
 from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
 from service.engine.models.base import CausalLM, LinearLayer, LinearPart, LlamaStack
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
-from service.engine.models.quant import QuantizationError, QuantizedWeight, concat_rows
+from service.engine.models.quant import QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
-
-if TYPE_CHECKING:
-    from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import QuantizationError
 
 # A tensor-parallel model's all-reduce after each row-parallel projection (None: one process).
 Reduce = Callable[[Tensor], Tensor]

@@ -22,12 +22,10 @@ import torch
 from safetensors import safe_open
 
 from service.engine.models.base import CausalLM
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.modelopt import read_quantized
 from service.engine.models.moe import per_expert
 from service.engine.models.quant import (
     Int4Weight,
-    QuantizationError,
     QuantizedWeight,
     gguf_q4_0,
     gguf_q4_1,
@@ -36,7 +34,10 @@ from service.engine.models.quant import (
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
-from service.store.checkpoint import Checkpoint, gguf_reader, inspect_local, weight_files
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.gguf_file import gguf_reader
+from service.model.quantization import QuantizationError
+from service.store.checkpoint import Checkpoint, inspect_local, weight_files
 
 Weight = torch.Tensor | QuantizedWeight
 # Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).

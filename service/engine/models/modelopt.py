@@ -18,66 +18,22 @@ Layers the export excluded (``exclude_modules``, typically lm_head) are plain bf
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from service.engine.models.quant import FP8Weight, NVFP4Weight, QuantizationError, QuantizedWeight
+from service.engine.models.quant import FP8Weight, NVFP4Weight, QuantizedWeight
+from service.model.quantization import CheckpointQuantization, QuantizationError
 
 log = logging.getLogger(__name__)
 
-HF_QUANT_CONFIG = "hf_quant_config.json"
-# quant_algo -> the profile precision tag it serves.
-SUPPORTED_ALGOS = {"FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8", "NVFP4": "nvfp4"}
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
-
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    quant_algo: str
-    precision: str  # fp8 | nvfp4
-    kv_cache_quant_algo: str | None = None
-    group_size: int | None = None
-
-
-def checkpoint_quantization(path: Path, config: dict[str, Any]) -> CheckpointQuantization | None:
-    """The checkpoint's quantization (None for an unquantized one); unsupported methods raise."""
-    settings: dict[str, Any] | None = None
-    quant_file = path / HF_QUANT_CONFIG
-    if quant_file.is_file():
-        settings = json.loads(quant_file.read_text()).get("quantization")
-        if not isinstance(settings, dict):
-            raise QuantizationError(f"{quant_file}: no 'quantization' object")
-    elif isinstance(config.get("quantization_config"), dict):
-        settings = config["quantization_config"]
-        method = str(settings.get("quant_method", "")).lower()
-        if method != "modelopt":
-            raise QuantizationError(
-                f"{path / 'config.json'}: quantization method {method or '(none)'!r} is not supported; "
-                "this engine reads NVIDIA ModelOpt checkpoints (FP8, FP8_PER_CHANNEL_PER_TOKEN, NVFP4) "
-                "and unquantized ones"
-            )
-    if settings is None:
-        return None
-    algo = str(settings.get("quant_algo") or "")
-    if algo not in SUPPORTED_ALGOS:
-        raise QuantizationError(
-            f"{path}: ModelOpt quant_algo {algo or '(none)'!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ALGOS)}"
-        )
-    group = settings.get("group_size")
-    if algo == "NVFP4" and group not in (None, 16):
-        raise QuantizationError(f"{path}: NVFP4 with group_size {group} is not supported (16 is)")
-    kv_algo = settings.get("kv_cache_quant_algo")
-    return CheckpointQuantization(algo, SUPPORTED_ALGOS[algo], kv_algo, group)
 
 
 def read_quantized(

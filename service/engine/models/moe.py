@@ -36,14 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.base import CausalLM
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.llama import LlamaForCausalLM, Reduce
-from service.engine.models.quant import NVFP4Weight, QuantizationError, QuantizedWeight, concat_rows
+from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
-from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS
-
-if TYPE_CHECKING:
-    from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS, Collectives, TPLayout
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import QuantizationError
 
 # One expert's projection in a per-expert checkpoint: (layer prefix, expert, projection).
 _EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")

@@ -28,16 +28,13 @@ import torch
 from torch import Tensor
 
 from service.engine.precision import PRECISION_SPECS, SPECS
+from service.model.quantization import QuantizationError
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 # e2m1 code (sign bit 3) -> value.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_BLOCK = 16
 INT4_GROUP_SIZES = (32, 64, 128)  # group sizes int4_wo supports (a divisor of every K is needed)
-
-
-class QuantizationError(ValueError):
-    """A quantized tensor is malformed or cannot be used; the message names the tensor."""
 
 
 class QuantizedWeight(Protocol):

@@ -35,11 +35,11 @@ from service.engine.models.quant import (
     Int4Weight,
     Int8Weight,
     NVFP4Weight,
-    QuantizationError,
     QuantizedWeight,
 )
 from service.engine.precision import SPECS
 from service.engine.precision import precision_mode as _precision_mode
+from service.model.quantization import QuantizationError
 
 
 def precision_mode(precision: str, device: torch.device) -> str:

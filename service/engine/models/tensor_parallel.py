@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from service.engine.models.config import ModelConfig, UnsupportedModelError
-from service.engine.models.quant import QuantizationError, QuantizedWeight
+from service.engine.models.quant import QuantizedWeight
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import QuantizationError
 from service.util import cdiv
 
 Weight = Tensor | QuantizedWeight

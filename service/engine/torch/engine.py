@@ -48,7 +48,6 @@ import torch
 from service.engine.config import GuidedLimits
 from service.engine.lora_store import LoraStore
 from service.engine.models.base import CausalLM
-from service.engine.models.config import ModelConfig
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     EngineDeadError,
@@ -76,6 +75,7 @@ from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
+from service.model.config import ModelConfig
 from service.text.tokenizer import Tokenizer
 from service.util import one_line
 

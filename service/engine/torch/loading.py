@@ -10,11 +10,9 @@ import torch
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.lora_store import LoraStore
-from service.engine.models.config import UnsupportedModelError
 from service.engine.models.loader import (
     quantizes_at_load,
 )
-from service.engine.models.quant import QuantizationError
 from service.engine.models.tensor_parallel import TPLayout
 from service.engine.precision import FLOAT_PRECISIONS
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
@@ -29,8 +27,10 @@ from service.engine.torch.rank_loading import (
 )
 from service.engine.torch.rank_loading import context_length as context_length  # tests import it here
 from service.engine.torch.tp_group import RankSetup, TPGroup
-from service.selection.hardware import available_cpu_count
-from service.telemetry.logging import JSONLinesFormatter
+from service.host import available_cpu_count
+from service.logs import JSONLinesFormatter
+from service.model.config import UnsupportedModelError
+from service.model.quantization import QuantizationError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
 from service.engine.models import quant_cache
 from service.engine.models.base import CausalLM
-from service.engine.models.config import ModelConfig, UnsupportedModelError
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
@@ -28,12 +27,12 @@ from service.engine.models.loader import (
     load_hf_dir,
     quantizes_at_load,
 )
-from service.engine.models.quant import QuantizationError
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
 from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
 from service.engine.protocol import PathChoice
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.decode_path import DecodeOptions, captures_graphs
+from service.engine.torch.device import choose_device, choose_dtype, free_memory_bytes
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Reservations, budget, reserve
@@ -45,7 +44,8 @@ from service.engine.torch.startup_checks import (
     token_counts,
     use_emulated_fp8,
 )
-from service.selection.hardware import choose_device, choose_dtype, free_memory_bytes
+from service.model.config import ModelConfig, UnsupportedModelError
+from service.model.quantization import QuantizationError
 from service.util import cdiv
 
 log = logging.getLogger(__name__)

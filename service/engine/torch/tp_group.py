@@ -52,6 +52,7 @@ from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.model_runner import ModelRunner
 from service.engine.torch.rank_loading import load_rank, resolve_device
 from service.engine.torch.step_plan import StepPlan
+from service.logs import configure_logging
 from service.util import one_line
 
 log = logging.getLogger(__name__)
@@ -238,8 +239,6 @@ class TPGroup:
 
 def worker_main(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
     """A worker rank's whole life (the spawned process's target)."""
-    from service.telemetry.logging import configure_logging
-
     configure_logging(logging.getLevelName(setup.log_level), setup.jsonl_logs)
     try:
         _serve_rank(rank, setup, pipe)

@@ -14,12 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from service.engine.models import registry
+from service.model import architectures as registry
+from service.model.architectures import UnsupportedModelError
+from service.model.gguf_file import metadata_float, metadata_int, metadata_str
 
 if TYPE_CHECKING:
     import gguf
+
+# The checkpoint formats a model is read from: a GGUF file, or a Hugging Face safetensors directory.
+ModelFormat = Literal["gguf", "hf_dir"]
 
 SUPPORTED_HF_ARCHITECTURES: dict[str, str] = registry.HF_FAMILIES  # HF name -> family
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = registry.GGUF_ARCHITECTURES
@@ -27,10 +32,6 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3
 
 # HF config classes' own default for a rope_theta a config.json omits (most families').
 _DEFAULT_THETA = 10_000.0
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint describes a model this engine cannot run faithfully."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> ModelConfig:
         """Build from a GGUF file's metadata (and, for llama3 rope scaling, its ``rope_freqs`` tensor)."""
-        architecture = _gguf_str(reader, "general.architecture")
+        architecture = metadata_str(reader, "general.architecture")
         if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {architecture!r} is not supported; supported: "
@@ -178,23 +179,23 @@ class ModelConfig:
         def key(name: str) -> str:
             return f"{arch}.{name}"
 
-        hidden_size = _gguf_int(reader, key("embedding_length"))
-        num_heads = _gguf_int(reader, key("attention.head_count"))
-        num_kv_heads = _gguf_int(reader, key("attention.head_count_kv"), default=num_heads)
-        head_dim = _gguf_int(reader, key("attention.key_length"), default=hidden_size // num_heads)
-        value_dim = _gguf_int(reader, key("attention.value_length"), default=head_dim)
+        hidden_size = metadata_int(reader, key("embedding_length"))
+        num_heads = metadata_int(reader, key("attention.head_count"))
+        num_kv_heads = metadata_int(reader, key("attention.head_count_kv"), default=num_heads)
+        head_dim = metadata_int(reader, key("attention.key_length"), default=hidden_size // num_heads)
+        value_dim = metadata_int(reader, key("attention.value_length"), default=head_dim)
         if value_dim != head_dim:
             raise UnsupportedModelError(f"key_length {head_dim} != value_length {value_dim} is not supported")
-        rope_dim = _gguf_int(reader, key("rope.dimension_count"), default=head_dim)
+        rope_dim = metadata_int(reader, key("rope.dimension_count"), default=head_dim)
         if rope_dim != head_dim:
             raise UnsupportedModelError(
                 f"partial rotary embeddings (rope.dimension_count={rope_dim}, head_dim={head_dim}) "
                 "are not supported"
             )
-        max_positions = _gguf_int(reader, key("context_length"))
+        max_positions = metadata_int(reader, key("context_length"))
 
         tensor_names = {t.name for t in reader.tensors}
-        vocab_size = _gguf_int(reader, key("vocab_size"), default=None)
+        vocab_size = metadata_int(reader, key("vocab_size"), default=None)
         if vocab_size is None:
             if "tokenizer.ggml.tokens" in reader.fields:
                 vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -215,7 +216,7 @@ class ModelConfig:
             "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id",
         ):
-            token = _gguf_int(reader, field, default=None)
+            token = metadata_int(reader, field, default=None)
             if token is not None and token not in eos_token_ids:
                 eos_token_ids.append(token)
 
@@ -223,19 +224,19 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=vocab_size,
             hidden_size=hidden_size,
-            intermediate_size=_gguf_int(reader, key("feed_forward_length")),
-            num_layers=_gguf_int(reader, key("block_count")),
+            intermediate_size=metadata_int(reader, key("feed_forward_length")),
+            num_layers=metadata_int(reader, key("block_count")),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_gguf_float(reader, key("attention.layer_norm_rms_epsilon")),
-            rope_theta=_gguf_float(reader, key("rope.freq_base"), default=_DEFAULT_THETA),
+            rms_norm_eps=metadata_float(reader, key("attention.layer_norm_rms_epsilon")),
+            rope_theta=metadata_float(reader, key("rope.freq_base"), default=_DEFAULT_THETA),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-            bos_token_id=_gguf_int(reader, "tokenizer.ggml.bos_token_id", default=None),
+            bos_token_id=metadata_int(reader, "tokenizer.ggml.bos_token_id", default=None),
             eos_token_ids=tuple(eos_token_ids),
             torch_dtype=None,
             sliding_window=None,
@@ -445,59 +446,14 @@ FAMILIES: dict[str, Family] = {
 
 
 def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict[str, Any] | None:
-    scaling_type = _gguf_str(reader, f"{arch}.rope.scaling.type", default=None)
+    scaling_type = metadata_str(reader, f"{arch}.rope.scaling.type", default=None)
     if scaling_type in (None, "none"):
         return None
     if scaling_type != "linear":
         raise UnsupportedModelError(
             f"GGUF rope scaling type {scaling_type!r} is not supported; supported: linear"
         )
-    factor = _gguf_float(reader, f"{arch}.rope.scaling.factor", default=None)
+    factor = metadata_float(reader, f"{arch}.rope.scaling.factor", default=None)
     if factor is None:
         raise UnsupportedModelError("GGUF linear rope scaling without rope.scaling.factor")
     return {"rope_type": "linear", "factor": factor}
-
-
-_MISSING = object()
-
-
-def _gguf_value(reader: gguf.GGUFReader, name: str, default: Any) -> Any:
-    """A metadata value as a Python str/int/float/bool, or a list of them for arrays.
-
-    Decoded from ``field.parts`` directly (``ReaderField.contents`` is missing from older gguf).
-    """
-    import gguf  # deferred: keeps this module importable without gguf for HF-only use
-
-    field = reader.fields.get(name)
-    if field is None:
-        if default is _MISSING:
-            raise UnsupportedModelError(f"GGUF metadata key {name!r} is missing")
-        return default
-    value_type = field.types[-1]  # the element type for arrays
-
-    def decode(part: Any) -> Any:
-        if value_type == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part[0].item()
-
-    values = [decode(field.parts[index]) for index in field.data]
-    return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
-
-
-def _gguf_int(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
-    value = _gguf_value(reader, name, default)
-    if isinstance(value, list):  # e.g. per-layer head counts
-        if len(set(value)) != 1:
-            raise UnsupportedModelError(f"GGUF key {name!r} varies per layer ({value}); not supported")
-        value = value[0]
-    return None if value is None else int(value)
-
-
-def _gguf_float(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
-    value = _gguf_value(reader, name, default)
-    return None if value is None else float(value)
-
-
-def _gguf_str(reader: gguf.GGUFReader, name: str, default: Any = _MISSING) -> Any:
-    value = _gguf_value(reader, name, default)
-    return None if value is None else str(value)
