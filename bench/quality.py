@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from service.engine.models.attention import CausalAttention  # noqa: E402
-from service.engine.models.cpu_linear import prepacking_supported  # noqa: E402
+from service.engine.models.base import BuildOptions  # noqa: E402
 from service.engine.models.loader import build_model, load_gguf  # noqa: E402
 from service.engine.torch.device import choose_dtype  # noqa: E402
 from service.text.tokenizer import Tokenizer  # noqa: E402
@@ -43,9 +43,9 @@ def embedded_gguf() -> Path:
 def load(path: Path, precision: str):
     dtype = torch.float32 if precision == "fp32" else choose_dtype("auto", torch.device("cpu"))
     config, weights = load_gguf(path, precision)
-    model = build_model(config, weights, dtype, "cpu")
-    if prepacking_supported(dtype, torch.device("cpu")):
-        model.prepack_for_cpu()
+    model = build_model(
+        config, weights, dtype, "cpu", BuildOptions(prepack_cpu=True)
+    )  # as the engine builds it
     return model, config, dtype
 
 

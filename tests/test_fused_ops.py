@@ -101,17 +101,22 @@ def test_the_model_computes_the_same_through_the_fused_kernels(monkeypatch: pyte
     add + norm) gives the unfused pass's logits."""
     from service.config import load_settings
     from service.engine.models.attention import CausalAttention
+    from service.engine.models.base import BuildOptions
+    from service.engine.models.loader import build_model, load_gguf
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
 
-    engine = build_engine(config_for(load_settings(num_threads=2, max_model_len=256, dtype="float32")))
+    config = config_for(load_settings(num_threads=2, max_model_len=256, dtype="float32"))
+    engine = build_engine(config)
     model = engine.model
-    ids = torch.tensor(engine.tokenizer.encode("The quick brown fox jumps over"), device=engine.config.device)
+    device = engine.config.device
+    model_config, weights = load_gguf(config.checkpoint, config.precision)
+    fused_model = build_model(model_config, weights, torch.float32, device, BuildOptions(fused_kernels=True))
+    ids = torch.tensor(engine.tokenizer.encode("The quick brown fox jumps over"), device=device)
     positions = torch.arange(ids.shape[0], device=ids.device)
     monkeypatch.setattr(triton_ops, "runs_on", lambda x: True)  # the interpreter takes CPU tensors
     with torch.inference_mode():
         plain = model.compute_logits(model(ids, positions, CausalAttention()))
-        model.use_fused_kernels()
-        fused = model.compute_logits(model(ids, positions, CausalAttention()))
+        fused = fused_model.compute_logits(fused_model(ids, positions, CausalAttention()))
     assert torch.allclose(fused, plain, atol=1e-4, rtol=1e-4)
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))

@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from service.engine.models import registry
-from service.model import architectures
 from service.engine.models.base import CausalLM
 from service.engine.models.loader import build_model
+from service.model import architectures
 from service.model.config import (
     FAMILIES,
     SUPPORTED_GGUF_ARCHITECTURES,

@@ -277,27 +277,28 @@ def _tiny_llama() -> CausalLM:
 def test_the_fused_kernel_check_runs_the_real_kernels_and_catches_a_wrong_one(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The fused kernels (in Triton's interpreter, let onto the CPU) agree with PyTorch's ops over
-    the model's forward; a wrong SiLU-mul is caught, and the fallback turns them off with a line."""
-    from service.engine.models import llama, triton_ops
+    """Each fused kernel (in Triton's interpreter, let onto the CPU) agrees with the PyTorch op it
+    replaces at the model's shapes; a wrong SiLU-mul is caught, and the model is then built
+    without the kernels, with one log line."""
+    from service.engine.models import triton_ops
     from service.engine.torch import rank_loading
 
     monkeypatch.setattr(triton_ops, "runs_on", lambda x: True)
-    model = _tiny_llama()
+    config = _tiny_llama().config
+    cpu = torch.device("cpu")
     with torch.inference_mode():
-        assert check_fused_kernels(model) is None
-    monkeypatch.setattr(llama.triton_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[..., ::2]))
+        assert check_fused_kernels(config, torch.float32, cpu) is None
+    monkeypatch.setattr(triton_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[..., ::2]))
     with torch.inference_mode():
-        why = check_fused_kernels(model)
-    assert why is not None and "fused kernels failed their start-up check (1 tokens)" in why
+        why = check_fused_kernels(config, torch.float32, cpu)
+    assert why is not None and "failed their start-up check (SiLU-mul, 1 tokens)" in why
 
-    config = SimpleNamespace(fused_kernels=True)
+    on, off = SimpleNamespace(fused_kernels=True), SimpleNamespace(fused_kernels=False)
     with caplog.at_level(logging.WARNING, logger=rank_loading.__name__), torch.inference_mode():
-        choice = rank_loading._fused_path(model, config)  # type: ignore[arg-type]
+        choice = rank_loading._fused_path(config, on, torch.float32, cpu)  # type: ignore[arg-type]
     assert not choice.used and "PyTorch's ops" in choice.reason
-    assert not any(getattr(m, "fused", False) for m in model.modules())
     assert sum(r.levelno == logging.WARNING for r in caplog.records) == 1
-    assert not rank_loading._fused_path(model, SimpleNamespace(fused_kernels=False)).used  # type: ignore[arg-type]
+    assert not rank_loading._fused_path(config, off, torch.float32, cpu).used  # type: ignore[arg-type]
 
 
 # --- Decode CUDA graphs ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from service.engine.models.attention import CausalAttention
+from service.engine.models.base import BuildOptions, TensorParallel
 from service.engine.models.loader import build_model, load_hf_dir
 from service.engine.models.quant import FP8Weight, Int4Weight, Int8Weight
 from service.engine.models.tensor_parallel import (
@@ -152,8 +153,8 @@ def _rank_main(rank: int, size: int, directory: str, precision: str, dtype: str,
         config, weights = load_hf_dir(Path(directory), precision)
         layout = TPLayout(config, rank, size)
         shards = shard_weights(weights, layout)
-        model = build_model(layout.local_config(), shards, getattr(torch, dtype), "cpu")
-        model.use_tensor_parallel(ProcessGroupCollectives(), layout)
+        options = BuildOptions(tensor_parallel=TensorParallel(ProcessGroupCollectives(), layout))
+        model = build_model(layout.local_config(), shards, getattr(torch, dtype), "cpu", options)
         logits, tokens = _run(model, GREEDY_TOKENS)
         if rank == 0:
             np.save(f"{out}.logits.npy", logits)

@@ -45,6 +45,7 @@ from typing import Any, TypeGuard, TypeVar
 import safetensors.torch
 import torch
 
+from service.engine.models.base import ONE_PROCESS
 from service.engine.models.llama import PROJECTIONS
 from service.engine.models.registry import model_class
 from service.model.config import ModelConfig
@@ -118,7 +119,7 @@ def adaptable(config: ModelConfig) -> Mapping[str, Projection]:
     ("model.layers.0.self_attn.q_proj"): every checkpoint projection its linear layers hold
     (`CausalLM.linear_layers` of the model built on 'meta', which allocates nothing)."""
     with torch.device("meta"):
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, ONE_PROCESS)
     return MappingProxyType(
         {
             part.weight_name.removesuffix(".weight"): Projection(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,27 @@ from service.engine.models.attention import Attention
 from service.engine.models.quant import QuantizedWeight
 from service.engine.models.tensor_parallel import Collectives, TPLayout
 from service.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's shard of the model (built from `layout.local_config()`) and the collectives that
+    join it to the other ranks'."""
+
+    collectives: Collectives
+    layout: TPLayout
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a model computes, fixed when it is built (never switched on afterwards)."""
+
+    tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
+    fused_kernels: bool = False  # CUDA: norms, SiLU-mul and RoPE as Triton kernels (triton_ops)
+    prepack_cpu: bool = False  # the CPU: linear layers held in oneDNN's packed layout once loaded
+
+
+ONE_PROCESS = BuildOptions()  # the whole model here, PyTorch's ops: what a model is built with by default
 
 
 @dataclass(frozen=True)
@@ -100,18 +121,6 @@ class CausalLM(Protocol):
         """Hold `module` as the `role` linear of decoder layer `layer` (e.g. a LoRA wrapper of it)."""
         ...
 
-    def llama_stack(self) -> LlamaStack | None:
-        """This model's tensors as a Llama-shaped stack; None where its layers are shaped otherwise."""
-        ...
-
-    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None: ...
-
-    def use_fused_kernels(self, enabled: bool = True) -> None: ...
-
-    def prepack_for_cpu(self) -> None:
-        """Hold linear layers in oneDNN's packed layout (inference only, after loading)."""
-        ...
-
     def weight_nbytes(self) -> int:
         """Bytes of weights one decode step reads."""
         ...
@@ -122,3 +131,21 @@ class CausalLM(Protocol):
     def eval(self) -> Self: ...
 
     def requires_grad_(self, requires_grad: bool = True) -> Self: ...
+
+
+@runtime_checkable
+class HasLlamaStack(Protocol):
+    """A model some of whose checkpoints are Llama-shaped stacks (the scripted CPU decode runs them)."""
+
+    def llama_stack(self) -> LlamaStack | None:
+        """This model's tensors as a Llama-shaped stack; None where its layers are shaped otherwise."""
+        ...
+
+
+@runtime_checkable
+class CpuPrepackable(Protocol):
+    """A model whose linear layers can be held in oneDNN's packed layout on the CPU."""
+
+    def prepack_for_cpu(self) -> None:
+        """Hold linear layers in oneDNN's packed layout (inference only, after loading)."""
+        ...

@@ -32,13 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
-from service.engine.models.base import CausalLM
+from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
 from service.engine.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    Reduce,
     Rope,
     RotaryEmbedding,
+    all_reduce_of,
 )
 from service.engine.models.quant import QuantizedWeight
 from service.model.config import ModelConfig, UnsupportedModelError
@@ -69,8 +71,8 @@ class Gemma3Attention(LlamaAttention):
     """Llama's fused-qkv attention with Gemma norms on q and k, its own scale and, on sliding
     layers, a window."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(self, config: ModelConfig, layer_idx: int, reduce: Reduce | None = None) -> None:
+        super().__init__(config, layer_idx, reduce)
         # setattr: LlamaAttention types its q/k norms as Llama's.
         setattr(self, "q_norm", GemmaRMSNorm(config.head_dim, config.rms_norm_eps))  # noqa: B010
         setattr(self, "k_norm", GemmaRMSNorm(config.head_dim, config.rms_norm_eps))  # noqa: B010
@@ -102,10 +104,12 @@ class Gemma3MLP(LlamaMLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Gemma's norms and GeGLU run as PyTorch's ops (the fused kernels are Llama's)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, options: BuildOptions) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_idx)
-        self.mlp = Gemma3MLP(config)
+        self.self_attn = Gemma3Attention(config, layer_idx, all_reduce_of(options))
+        self.mlp = Gemma3MLP(config, all_reduce_of(options))
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
@@ -123,18 +127,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's structure (``model.embed_tokens``, ``model.layers``, ``model.norm``, fused
     linears, tied logits) with Gemma 3 decoder layers and a second RoPE table for windowed layers."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: BuildOptions = ONE_PROCESS) -> None:
         if config.architecture != "gemma3" or config.hidden_act != "gelu_pytorch_tanh":
             raise UnsupportedModelError(f"Gemma3ForCausalLM cannot run a {config.architecture} config")
         if not config.tie_word_embeddings:
             raise UnsupportedModelError("gemma3 with untied embeddings is not supported")
-        super().__init__(config)
-        self.model.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        super().__init__(config, options)
+        self.model.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, options) for i in range(config.num_layers)
+        )
         setattr(self.model, "norm", GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))  # noqa: B010
         local = dataclasses.replace(
             config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None
         )
-        self.local_rotary = RotaryEmbedding(local)
+        self.local_rotary = RotaryEmbedding(local, options.fused_kernels)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """input_ids, positions: [T] int64, a flat token batch -> final-norm hidden states [T, hidden]."""

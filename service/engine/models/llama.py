@@ -26,11 +26,18 @@ from torch import Tensor, nn
 
 from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
-from service.engine.models.base import CausalLM, LinearLayer, LinearPart, LlamaStack
+from service.engine.models.base import (
+    ONE_PROCESS,
+    BuildOptions,
+    CausalLM,
+    LinearLayer,
+    LinearPart,
+    LlamaStack,
+)
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 from service.engine.models.quant import QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
-from service.engine.models.tensor_parallel import Collectives, TPLayout
+from service.engine.models.tensor_parallel import Collectives
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import QuantizationError
 
@@ -39,12 +46,11 @@ Reduce = Callable[[Tensor], Tensor]
 
 
 class RMSNorm(nn.Module):
-    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
-
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = fused  # the Triton kernel where the tensor is on CUDA
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.dim() == 2 and triton_ops.runs_on(x):
@@ -112,11 +118,10 @@ class RotaryEmbedding(nn.Module):
     cos_cached: Tensor
     sin_cached: Tensor
 
-    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
-
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.fused = fused  # the Triton kernel where the positions are on CUDA
         half = config.head_dim // 2
         # Non-persistent: derived from the config, never part of a checkpoint.
         self.register_buffer(
@@ -189,9 +194,9 @@ class FusedRope:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, reduce: Reduce | None = None) -> None:
         super().__init__()
-        self.reduce: Reduce | None = None  # set by LlamaForCausalLM.use_tensor_parallel
+        self.reduce = reduce  # tensor parallelism: the all-reduce after the row-parallel o_proj
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -236,11 +241,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    fused = False  # LlamaForCausalLM.use_fused_kernels turns it on
-
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, reduce: Reduce | None = None, fused: bool = False) -> None:
         super().__init__()
-        self.reduce: Reduce | None = None  # set by LlamaForCausalLM.use_tensor_parallel
+        self.reduce = reduce  # tensor parallelism: the all-reduce after the row-parallel down_proj
+        self.fused = fused  # SiLU-mul as a Triton kernel where the tensor is on CUDA
         self.intermediate_size = config.intermediate_size
         # Rows: [gate (I) | up (I)].
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -258,12 +262,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, options: BuildOptions) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        reduce, fused = all_reduce_of(options), options.fused_kernels
+        self.self_attn = LlamaAttention(config, layer_idx, reduce)
+        self.mlp = LlamaMLP(config, reduce, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self, hidden: Tensor, residual: Tensor | None, rope: Rope, attention: Attention
@@ -289,12 +294,17 @@ def _embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
     return nn.Embedding(num_embeddings, embedding_dim)
 
 
+def all_reduce_of(options: BuildOptions) -> Reduce | None:
+    """The all-reduce after a row-parallel projection under tensor parallelism; None on one rank."""
+    return options.tensor_parallel.collectives.all_reduce if options.tensor_parallel is not None else None
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
         super().__init__()
         self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.fused_kernels)
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """The layers, typed (an nn.ModuleList yields plain Modules)."""
@@ -336,19 +346,29 @@ class LlamaForCausalLM(nn.Module):
     ``model.embed_tokens.weight``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: BuildOptions = ONE_PROCESS) -> None:
+        """`config` is this rank's (`layout.local_config()`) under tensor parallelism: its shard then
+        joins the others' through all-reduces after each row-parallel projection and the
+        vocab-parallel embedding, and an all-gather of logits."""
         super().__init__()
+        parallel = options.tensor_parallel
+        if parallel is not None and config != parallel.layout.local_config():
+            raise ValueError("a tensor-parallel model is built from its layout's local config")
         self.config = config
-        self.model = LlamaModel(config)
-        self.rotary = RotaryEmbedding(config)
+        self.model = LlamaModel(config, options)
+        self.rotary = RotaryEmbedding(config, options.fused_kernels)
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.tp: Collectives | None = None
-        self.vocab_start = 0  # this rank's first vocabulary row (tensor parallelism)
+        self.vocab_start = 0  # this rank's first vocabulary row
         self.full_vocab_size = config.vocab_size
+        if parallel is not None:
+            self.tp = parallel.collectives
+            self.vocab_start = parallel.layout.vocab_start
+            self.full_vocab_size = parallel.layout.config.vocab_size
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """input_ids, positions: [T] int64, a flat token batch. Returns final-norm hidden states [T, hidden].
@@ -447,25 +467,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is not None:  # vocab-parallel: every rank's slice, then the padding cut
             logits = self.tp.all_gather_last(logits)[..., : self.full_vocab_size]
         return logits.float()
-
-    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None:
-        """Join this rank's shard (built from `layout.local_config()`) to the others': all-reduce
-        after each row-parallel projection and the vocab-parallel embedding, all-gather of logits."""
-        if self.config != layout.local_config():
-            raise ValueError("the model was not built from this layout's local config")
-        self.tp = collectives
-        self.vocab_start = layout.vocab_start
-        self.full_vocab_size = layout.config.vocab_size
-        for module in self.modules():
-            if isinstance(module, LlamaAttention | LlamaMLP):
-                module.reduce = collectives.all_reduce
-
-    def use_fused_kernels(self, enabled: bool = True) -> None:
-        """Run norms (with the residual add), SiLU-mul and RoPE as fused Triton kernels where the
-        tensors are on CUDA (service.engine.models.triton_ops); PyTorch's ops elsewhere."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | LlamaMLP | RotaryEmbedding):
-                module.fused = enabled
 
     def prepack_for_cpu(self) -> None:
         """Hold every linear layer, the logits projection included, in oneDNN's packed layout.

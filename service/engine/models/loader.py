@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from service.engine.models.base import CausalLM
+from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, CpuPrepackable
+from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.modelopt import read_quantized
 from service.engine.models.moe import per_expert
 from service.engine.models.quant import (
@@ -314,17 +315,23 @@ def build_model(
     weights: Iterable[tuple[str, Weight]],
     dtype: torch.dtype,
     device: torch.device | str,
+    options: BuildOptions = ONE_PROCESS,
 ) -> CausalLM:
-    """Build the registry's model for `config` on 'meta' and load ``weights`` onto ``device``:
-    each float parameter is allocated in ``dtype`` when it is first written, and quantized weights
-    replace their linear layers, so no full-precision copy of a quantized layer is ever allocated.
+    """Build the registry's model for `config` with `options` on 'meta' and load ``weights`` onto
+    ``device``: each float parameter is allocated in ``dtype`` when it is first written, and
+    quantized weights replace their linear layers, so no full-precision copy of a quantized layer
+    is ever allocated. With `options.prepack_cpu` the linear layers are then held in oneDNN's
+    packed layout, where the model and this dtype allow it (`prepacking_supported`).
 
     Returns the model in eval mode with gradients off.
     """
+    device = torch.device(device)
     with torch.device("meta"):
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, options)
     model = model.to(dtype=dtype)
-    model.load_weights(weights, device=torch.device(device))
+    model.load_weights(weights, device=device)
     model.eval()
     model.requires_grad_(False)
+    if options.prepack_cpu and isinstance(model, CpuPrepackable) and prepacking_supported(dtype, device):
+        model.prepack_for_cpu()
     return model

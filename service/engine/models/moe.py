@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models.base import CausalLM
-from service.engine.models.llama import LlamaForCausalLM, Reduce
+from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
+from service.engine.models.llama import LlamaForCausalLM, Reduce, all_reduce_of
 from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
-from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS, Collectives, TPLayout
+from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import QuantizationError
 
@@ -160,9 +160,9 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (``gate``) and experts, in place of a decoder layer's MLP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, reduce: Reduce | None = None) -> None:
         super().__init__()
-        self.reduce: Reduce | None = None  # set by MoeForCausalLM.use_tensor_parallel
+        self.reduce = reduce  # tensor parallelism: the all-reduce after the weighted routed sum
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
@@ -190,13 +190,14 @@ class SparseMoeBlock(nn.Module):
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers' ``mlp`` is a `SparseMoeBlock`."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: BuildOptions = ONE_PROCESS) -> None:
         if config.num_experts == 0 or not config.sparse_layers:
             raise UnsupportedModelError(f"{config.architecture}: a config with no experts in any layer")
-        super().__init__(config)
+        super().__init__(config, options)
         for index in config.sparse_layers:
             # setattr: LlamaDecoderLayer types its mlp as the dense one.
-            setattr(self.model.decoder_layers()[index], "mlp", SparseMoeBlock(config))  # noqa: B010
+            block = SparseMoeBlock(config, all_reduce_of(options))
+            setattr(self.model.decoder_layers()[index], "mlp", block)  # noqa: B010
 
     def _linear_roles(self, layer: int) -> tuple[str, ...]:
         """Attention's linears in every layer; gate_up and down only in the dense layers (the
@@ -206,13 +207,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     def llama_stack(self) -> None:  # type: ignore[override]
         """None: the routed layers are not the Llama shape the scripted CPU decode runs."""
         return None
-
-    def use_tensor_parallel(self, collectives: Collectives, layout: TPLayout) -> None:
-        """As LlamaForCausalLM's, with one all-reduce after each routed layer's weighted sum."""
-        super().use_tensor_parallel(collectives, layout)
-        for module in self.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.reduce = collectives.all_reduce
 
     @torch.no_grad()
     def load_weights(

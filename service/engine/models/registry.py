@@ -7,11 +7,11 @@ import importlib
 from collections.abc import Callable
 from typing import cast
 
-from service.engine.models.base import CausalLM
+from service.engine.models.base import BuildOptions, CausalLM
 from service.model.architectures import ARCHITECTURES, UnsupportedModelError, unsupported
 from service.model.config import ModelConfig
 
-ModelClass = Callable[[ModelConfig], CausalLM]
+ModelClass = Callable[[ModelConfig, BuildOptions], CausalLM]
 
 
 def model_class(family: str) -> ModelClass:

@@ -17,8 +17,7 @@ import torch
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
 from service.engine.models import quant_cache
-from service.engine.models.base import CausalLM
-from service.engine.models.cpu_linear import prepacking_supported
+from service.engine.models.base import BuildOptions, CausalLM, TensorParallel
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
     build_model,
@@ -200,14 +199,17 @@ def load_rank(
             elif layout is None:  # the writer keeps a whole copy: never under tensor parallelism
                 writer = quant_cache.Writer(entry, config.model_path, config.precision)
                 weights = writer.wrap(weights)
+        local_config = model_config if layout is None else layout.local_config()
+        fused = _fused_path(local_config, config, dtype, device)  # checked before the model is built
+        parallel = TensorParallel(ProcessGroupCollectives(), layout) if layout is not None else None
+        options = BuildOptions(tensor_parallel=parallel, fused_kernels=fused.used, prepack_cpu=True)
         if layout is None:
-            model = build_model(model_config, weights, dtype, device)
+            model = build_model(model_config, weights, dtype, device, options)
         else:
             # Only this rank's bytes where the files hold the weights as used; else one whole
             # tensor at a time, sliced (`weights`, a lazy stream, is then read instead).
             local = shards if shards is not None else shard_weights(weights, layout)
-            model = build_model(layout.local_config(), local, dtype, device)
-            model.use_tensor_parallel(ProcessGroupCollectives(), layout)
+            model = build_model(local_config, local, dtype, device, options)
         if writer is not None:
             writer.commit()
     except QuantizationError as error:
@@ -215,11 +217,9 @@ def load_rank(
     except UnsupportedModelError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     fp8, mode = _fp8_path(model, config, mode)
-    paths = (fp8, _fused_path(model, config))
+    paths = (fp8, fused)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
-    if prepacking_supported(dtype, device):
-        model.prepack_for_cpu()
     log.info(
         "loaded %s (%s, %d layers)%s on %s, %s weights (%s, %.0f MB read per step), %s activations, "
         "context %d, in %.1f s",
@@ -278,15 +278,16 @@ def _fp8_path(model: CausalLM, config: EngineConfig, mode: Mode) -> tuple[PathCh
                   f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s)"), mode  # fmt: skip
 
 
-def _fused_path(model: CausalLM, config: EngineConfig) -> PathChoice:
-    """Whether the fused Triton kernels run (NIM_FUSED_KERNELS=1, checked against PyTorch's ops)."""
+def _fused_path(
+    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> PathChoice:
+    """Whether the model is built with the fused Triton kernels (NIM_FUSED_KERNELS=1, each checked
+    against the PyTorch ops it replaces at the model's shapes)."""
     if not config.fused_kernels:
         return PathChoice("fused_kernels", False, "off (NIM_FUSED_KERNELS=1 turns them on; experimental)",
                           FUSED_SETTING)  # fmt: skip
-    model.use_fused_kernels()
-    why = check_fused_kernels(model)
+    why = check_fused_kernels(model_config, dtype, device)
     if why is not None:
-        model.use_fused_kernels(False)
         log.warning("%s; norms, SiLU-mul and RoPE run as PyTorch's ops (%s)", why, FUSED_SETTING)
         return PathChoice("fused_kernels", False, f"{why}; running PyTorch's ops instead", FUSED_SETTING)
     return PathChoice("fused_kernels", True, "its start-up check agreed with PyTorch's ops", FUSED_SETTING)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models.base import CausalLM
+from service.engine.models.base import CausalLM, HasLlamaStack
 from service.engine.models.cpu_linear import MIN_ROWS, PackedLinear
 from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.models.quant_linear import Int4Linear, Int8Linear
@@ -217,7 +217,7 @@ class ScriptedDecoder:
         self.model = model
         self.pool = pool
         config = model.config
-        stack = model.llama_stack()
+        stack = model.llama_stack() if isinstance(model, HasLlamaStack) else None
         assert stack is not None, "build() decodes eagerly where the model is shaped otherwise"
         self._stack = stack
         self._norms: list[Tensor] = list(stack.norms)  # per layer: input, post-attention
@@ -270,7 +270,7 @@ class ScriptedDecoder:
 
     @staticmethod
     def _unsupported(model: CausalLM, pool: KVPool) -> str | None:
-        if model.llama_stack() is None:
+        if not isinstance(model, HasLlamaStack) or model.llama_stack() is None:
             return "the model's layers are not the Llama shape the scripted stack runs"
         if pool.scales is not None:
             return f"the {pool.spec.cache_dtype} KV cache is dequantized by the eager path"

@@ -25,9 +25,11 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from service.engine.models.attention import CausalAttention
+from service.engine.models import triton_ops
 from service.engine.models.base import CausalLM
+from service.engine.models.llama import RMSNorm, RotaryEmbedding
 from service.engine.models.quant_linear import FP8Linear
 from service.engine.protocol import PathChoice
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
@@ -40,6 +42,7 @@ from service.engine.torch.paged_attention import (
     prefill_mask,
 )
 from service.engine.torch.triton_unified_attention import launch_shape
+from service.model.config import ModelConfig
 from service.util import one_line
 
 # The settings that turn each path off (the names /v1/metadata and the log lines give).
@@ -288,28 +291,47 @@ def use_emulated_fp8(model: CausalLM) -> None:
 # --- Fused kernels --------------------------------------------------------------------------------
 
 
-def check_fused_kernels(model: CausalLM) -> str | None:
-    """The model's forward with its fused kernels against the same forward with PyTorch's ops, at
-    one token and at a chunk of 37 (None when the logits agree to the dtype's rounding). Leaves the
-    fused kernels on."""
-    generator = torch.Generator(device=model.device).manual_seed(0)
-    vocab = model.config.vocab_size
-    bound = 1e-3 if model.activation_dtype == torch.float32 else 5e-2
+def check_fused_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Each fused kernel against the PyTorch ops it replaces, at the shapes of a model of `config`
+    (this rank's, under tensor parallelism), for one token and a chunk of 37: RMSNorm alone and with
+    the residual add over the hidden size, SiLU-mul over the intermediate size, RoPE over the q and
+    k heads. None when every one agrees to the dtype's rounding. Run before the model is built, so
+    the model is built with the kernels or without them."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    bound = 1e-3 if dtype == torch.float32 else 5e-2
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device).to(dtype)
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    plain, fused = (RMSNorm(hidden, config.rms_norm_eps, on).to(device, dtype) for on in (False, True))
+    with torch.no_grad():
+        fused.weight.copy_(plain.weight.add_(0.1 * rand(hidden)))
+    plain_rope, fused_rope = (RotaryEmbedding(config, on).to(device) for on in (False, True))
+    heads = config.num_heads + config.num_kv_heads
     for tokens in (1, 37):
-        ids = torch.randint(0, vocab, (tokens,), generator=generator, device=model.device)
-        positions = torch.arange(tokens, device=model.device)
+        x, residual, gate_up = rand(tokens, hidden), rand(tokens, hidden), rand(tokens, 2 * inter)
+        qk = rand(tokens, heads, config.head_dim)
+        top = config.max_position_embeddings
+        positions = torch.randint(0, top, (tokens,), device=device, generator=generator)
+        silu_mul = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         try:
-            model.use_fused_kernels(False)
-            want = model.compute_logits(model(ids, positions, CausalAttention()))
-            model.use_fused_kernels(True)
-            got = model.compute_logits(model(ids, positions, CausalAttention()))
+            fused_silu_mul = triton_ops.silu_mul(gate_up) if triton_ops.runs_on(gate_up) else silu_mul
+            checks = [
+                ("RMSNorm", fused.forward(x), plain.forward(x)),
+                ("RMSNorm with the residual add", torch.cat(fused.add_forward(x, residual)),
+                 torch.cat(plain.add_forward(x, residual))),
+                ("SiLU-mul", fused_silu_mul, silu_mul),
+                ("RoPE", fused_rope.for_positions(positions, dtype)(qk.clone()),
+                 plain_rope.for_positions(positions, dtype)(qk.clone())),
+            ]  # fmt: skip
         except Exception as exc:
-            model.use_fused_kernels(True)
-            why: str | None = one_line(exc, with_type=True)
-        else:
-            why = close_enough(got, want, bound)
-        if why is not None:
+            why = one_line(exc, with_type=True)
             return f"the fused kernels failed their start-up check ({tokens} tokens): {why}"
+        for name, got, want in checks:
+            failed = close_enough(got, want, bound)
+            if failed is not None:
+                return f"the fused kernels failed their start-up check ({name}, {tokens} tokens): {failed}"
     return None
 
 
