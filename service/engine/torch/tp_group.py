@@ -1,7 +1,8 @@
 """Tensor-parallel ranks of the torch engine: one process per rank, the scheduler on rank 0.
 
 Rank 0 is the engine's own process: it schedules, runs its shard of every step and samples. It
-starts ranks 1..N-1 as processes (spawned, so none inherits the server's threads or sockets),
+starts ranks 1..N-1 as child processes (service.engine.child: fresh interpreters that inherit
+none of the server's threads or sockets),
 which each load their shard of the weights (service.engine.models.tensor_parallel) and a KV pool
 for their share of the kv heads, then run whatever step plan rank 0 sends them; the model's
 collectives (all-reduce after row-parallel layers, all-gather of the logits) join the ranks
@@ -12,7 +13,7 @@ inside each forward pass. Only rank 0 samples: the others drop their copy of the
     forward(plan)  <====== gloo / NCCL =========> (all-reduce, all-gather)
     sample, detokenize, stream
 
-Control travels over one pipe per worker, tensors over torch.distributed: gloo on the CPU, NCCL
+Control travels over each worker's socket, tensors over torch.distributed: gloo on the CPU, NCCL
 on CUDA (rank r on GPU r of the process's visible GPUs). The KV pools are sized alike: every
 rank proposes a block count from its own free memory and rank 0 hands out the smallest.
 
@@ -22,9 +23,9 @@ fails, the process exits non-zero):
   the engine (`on_death`); a step already inside a collective with it fails too (gloo sees the
   closed connection);
 - a collective that does not complete within NIM_COLLECTIVE_TIMEOUT_SECONDS (a hung rank) raises;
-- shutdown (normal or after a failure) asks every worker to stop, then terminates and finally
-  kills what is left, so no rank outlives the engine; a worker whose rank 0 vanishes sees its
-  pipe close (or its collective fail) and exits.
+- shutdown (normal or after a failure) ends every worker in order (asked, terminated, killed), so
+  no rank outlives the engine; a worker whose rank 0 vanishes sees its socket close (or its
+  collective fail, or its parent change) and exits.
 """
 
 from __future__ import annotations
@@ -32,20 +33,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import threading
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from service.engine.child import Child
 from service.engine.config import EngineConfig
 from service.engine.torch.decode_path import DecodePath
 from service.engine.torch.kv_pool import KVPool
@@ -79,6 +78,14 @@ class RankSetup:
     jsonl_logs: bool
 
 
+@dataclass(frozen=True)
+class RankStart:
+    """A worker's setup: which rank it is, and what every rank shares."""
+
+    rank: int
+    setup: RankSetup
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -107,34 +114,33 @@ class TPGroup:
         self.setup = setup
         self.size = setup.size
         self.device = device
-        context = multiprocessing.get_context("spawn")
-        self._processes: list[BaseProcess] = []
-        self._pipes: list[multiprocessing.connection.Connection] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self.death: str | None = None  # why a worker is gone, once one is
         self._died = threading.Event()
         self._on_death: Callable[[TensorParallelError], None] | None = None
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=worker_main, args=(rank, setup, theirs), name=f"tp-rank-{rank}", daemon=True
-            )
-            process.start()
-            theirs.close()  # the worker holds the only other end: its exit closes the pipe
-            self._processes.append(process)
-            self._pipes.append(ours)
+        self._workers: list[Child] = []
+        try:
+            for rank in range(1, self.size):
+                self._workers.append(
+                    Child.start(
+                        f"{__name__}:worker_main", RankStart(rank, setup), name=f"tensor-parallel rank {rank}"
+                    )
+                )
+        except BaseException:
+            self.shutdown()
+            raise
         log.info(
             "tensor parallelism %d: started ranks 1-%d (pids %s) on %s",
             self.size,
             self.size - 1,
-            ", ".join(str(p.pid) for p in self._processes),
+            ", ".join(str(worker.pid) for worker in self._workers),
             f"GPUs 0-{self.size - 1} (NCCL)" if device.type == "cuda" else "the CPU (gloo)",
         )
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._processes if p.pid is not None]
+        return [worker.pid for worker in self._workers]
 
     def join(self) -> None:
         """Join the process group as rank 0 (blocks until every rank has joined, or times out)."""
@@ -147,13 +153,13 @@ class TPGroup:
         """The KV pool size every rank uses: the smallest any rank proposes; waits for every
         worker to have loaded its shard."""
         proposals = [own]
-        for rank, pipe in enumerate(self._pipes, start=1):
-            proposals.append(self._expect(rank, pipe, "loaded")[0])
+        for rank, worker in enumerate(self._workers, start=1):
+            proposals.append(self._expect(rank, worker, "loaded")[0])
         blocks = min(proposals)
-        for pipe in self._pipes:
-            pipe.send(blocks)
-        for rank, pipe in enumerate(self._pipes, start=1):
-            self._expect(rank, pipe, "ready")
+        for worker in self._workers:
+            worker.send(blocks)
+        for rank, worker in enumerate(self._workers, start=1):
+            self._expect(rank, worker, "ready")
         return blocks
 
     def watch(self, on_death: Callable[[TensorParallelError], None]) -> None:
@@ -164,16 +170,16 @@ class TPGroup:
     def wait_for_death(self, timeout: float) -> str | None:
         """Why a worker is gone, waiting up to `timeout` seconds for the watchdog to see one exit
         (None: every worker is still running)."""
-        if any(p.exitcode is not None for p in self._processes):
+        if any(not worker.alive() for worker in self._workers):
             self._died.wait(timeout)
         return self.death
 
     def send(self, plan: StepPlan) -> None:
         """Hand this step's plan to every worker (before rank 0 runs its own forward pass)."""
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, pipe in enumerate(self._pipes, start=1):
+        for rank, worker in enumerate(self._workers, start=1):
             try:
-                pipe.send_bytes(data)
+                worker.send_bytes(data)
             except OSError as exc:
                 raise TensorParallelError(self._explain(f"rank {rank} is gone: {one_line(exc)}")) from exc
 
@@ -183,29 +189,19 @@ class TPGroup:
             if self._stopping.is_set():
                 return
             self._stopping.set()
-        for pipe in self._pipes:
-            with contextlib.suppress(OSError):  # that worker is gone already
-                pipe.send_bytes(pickle.dumps(None))
-        for process in self._processes:
-            process.join(STOP_GRACE_S)
-            if process.is_alive():
-                process.terminate()
-                process.join(STOP_GRACE_S)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for pipe in self._pipes:
-            pipe.close()
+        for worker in self._workers:  # asked together, then each ended in order
+            worker.ask_to_stop()
+        for worker in self._workers:
+            worker.stop(STOP_GRACE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _expect(self, rank: int, pipe: multiprocessing.connection.Connection, what: str) -> list[Any]:
-        process = self._processes[rank - 1]
-        while not pipe.poll(0.2):
-            if not process.is_alive():
+    def _expect(self, rank: int, worker: Child, what: str) -> list[Any]:
+        while not worker.poll(0.2):
+            if not worker.alive():
                 raise TensorParallelError(self._explain(f"rank {rank} exited while starting"))
         try:
-            message = pipe.recv()
+            message = worker.recv()
         except EOFError as exc:
             raise TensorParallelError(self._explain(f"rank {rank} exited while starting")) from exc
         if message[0] == "error":
@@ -216,44 +212,43 @@ class TPGroup:
 
     def _explain(self, what: str) -> str:
         """`what`, with the exit codes of workers that have exited."""
-        gone = [
-            f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-            for rank, p in enumerate(self._processes, start=1)
-            if p.exitcode is not None
-        ]
+        gone = [f"rank {rank} (pid {w.pid}) exited with code {w.exit_code}"
+                for rank, w in enumerate(self._workers, start=1) if not w.alive()]  # fmt: skip
         return "; ".join([f"tensor parallelism: {what}", *gone])
 
     def _watchdog(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._processes, start=1)}
+        sentinels = {w.sentinel: (rank, w) for rank, w in enumerate(self._workers, start=1)}
         ready = multiprocessing.connection.wait(list(sentinels))
         if self._stopping.is_set():
             return
-        rank, process = sentinels[ready[0]]  # type: ignore[index]
-        process.join()
-        self.death = f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        rank, worker = sentinels[ready[0]]  # type: ignore[index]
+        worker.wait()
+        self.death = f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exit_code}"
         self._died.set()
         log.error("%s: the engine cannot continue", self.death)
         if self._on_death is not None:
             self._on_death(TensorParallelError(self.death))
 
 
-def worker_main(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
-    """A worker rank's whole life (the spawned process's target)."""
+def worker_main(start: RankStart, conn: Connection) -> int:
+    """A worker rank's whole life (a child process's target): its exit code. A failure to load is
+    told to rank 0 in one line before the process exits."""
+    rank, setup = start.rank, start.setup
     configure_logging(logging.getLevelName(setup.log_level), setup.jsonl_logs)
     try:
-        _serve_rank(rank, setup, pipe)
+        _serve_rank(rank, setup, conn)
     except (EOFError, BrokenPipeError):
         log.error("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
-        os._exit(1)
+        return 1
     except BaseException as exc:
-        log.error("tensor-parallel rank %d failed: %s\n%s", rank, one_line(exc), traceback.format_exc())
+        log.exception("tensor-parallel rank %d failed", rank)
         with contextlib.suppress(OSError):
-            pipe.send(("error", one_line(exc, with_type=True)))
-        os._exit(1)  # no atexit or process-group teardown that could wait on the other ranks
-    os._exit(0)
+            conn.send(("error", one_line(exc, with_type=True)))
+        return 1
+    return 0
 
 
-def _serve_rank(rank: int, setup: RankSetup, pipe: multiprocessing.connection.Connection) -> None:
+def _serve_rank(rank: int, setup: RankSetup, pipe: Connection) -> None:
     config = setup.config
     device, dtype = resolve_device(config)
     device = rank_device(device, rank)
