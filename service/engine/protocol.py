@@ -7,10 +7,13 @@ know nothing of HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import anyio
 
 from service.text.tokenizer import Tokenizer
 
@@ -298,7 +301,9 @@ class Engine(Protocol):
         """Submit a request; iterate its outputs until one with `finished=True`.
 
         Raises EngineDeadError (on the first iteration) when the engine is dead. Closing the
-        iterator early (client gone) aborts the request.
+        iterator early (client gone) aborts the request, and returns once the engine has taken the
+        abort (or a few seconds have passed: `until_last`), so the stats read afterwards no longer
+        count the request.
         """
         ...
 
@@ -332,3 +337,13 @@ class LoadedEngine:
     info: EngineInfo
     tokenizer: Tokenizer
     adapters: AdapterCatalog | None = None
+
+
+async def until_last(outputs: asyncio.Queue[RequestOutput], timeout_s: float) -> None:
+    """Wait for a request's last output on its queue (an engine posts it once it has ended the
+    request, its stats published first), for at most `timeout_s`: the wait of an iterator closed
+    early, after it asked for the abort. Shielded: a request whose client left is cancelled by
+    Starlette's cancel scope, which cancels again at every await until the request's task ends."""
+    with anyio.move_on_after(timeout_s, shield=True):
+        while not (await outputs.get()).finished:
+            pass
