@@ -258,6 +258,7 @@ class EngineInfo:
     features: EngineFeatures = EngineFeatures()
     max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no adapters served
     max_num_seqs: int = 0  # requests the engine runs at once (NIM's num_request_max); 0: not known
+    activation_dtype: str = ""  # what activations compute in (float32, bfloat16, ...); "": not known
 
 
 class EngineDeadError(RuntimeError):
