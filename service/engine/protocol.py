@@ -35,6 +35,11 @@ class GuidedDecoding:
     # Constrain only the text after these token ids have been generated (a reasoning model's end of
     # thinking, e.g. `</think>`): the reasoning before them is free. Empty: from the first token.
     start_after: tuple[int, ...] = ()
+    # With start_after, when the prompt left it open whether the model thinks: the thinking opens
+    # with these token ids (`<think>`), which must then be the answer's first tokens; an answer
+    # whose first token is another is constrained from that token on. Empty: the prompt opened the
+    # thinking, so the answer begins in it.
+    opens_with: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
