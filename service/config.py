@@ -86,7 +86,8 @@ class Settings(BaseSettings):
     dtype: DType = Field(
         "auto",
         validation_alias=_env("NIM_DTYPE"),
-        description="Weight/activation dtype; auto = bfloat16 where the hardware runs it fast, else float32.",
+        description="Weight/activation dtype; auto = bfloat16 where the hardware runs it fast, else float32. "
+        "With NIM_MODEL_PROFILE naming an int8_wo or int4_wo profile: the dtype its activations compute in.",
     )
     device: DeviceKind = Field(
         "auto", validation_alias=_env("NIM_DEVICE"), description="auto = CUDA when available, else CPU."

@@ -19,15 +19,18 @@ from service.api.state import ModelInfo, Ready
 from service.config import Settings
 from service.engine.config import (
     PRECISION_DTYPES,
+    DType,
     EngineConfig,
     KVCacheConfig,
     LoraConfig,
     SchedulerLimits,
 )
+from service.engine.precision import PRECISION_SPECS
 from service.engine.process import ENGINE_PROCESS_SETTING, EngineProcessError, load_in_process, not_in_process
 from service.engine.protocol import LoadedEngine, PathChoice
 from service.engine.registry import load_engine
 from service.selection.planning import Plan, make_plan, model_source
+from service.selection.profiles import Profile
 from service.store.checkpoint import ModelSource
 from service.telemetry.metering import MeteredEngine
 from service.telemetry.metrics import Metrics
@@ -66,7 +69,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         served_name=source.served_name,
         profile_name=profile.name,
         precision=profile.precision,
-        dtype=PRECISION_DTYPES.get(profile.precision, "auto"),
+        dtype=_activation_dtype(settings, profile),
         device=settings.device,
         tensor_parallel_size=profile.tp,
         pipeline_parallel_size=profile.pp,
@@ -92,6 +95,15 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         guided=settings.guided_limits,
         engine_cache_dir=settings.cache_path / "trtllm-engines" / profile.id,
     )
+
+
+def _activation_dtype(settings: Settings, profile: Profile) -> DType:
+    """What the engine computes in: a float profile's own dtype; for a weight-only profile
+    (int8_wo, int4_wo) NIM_DTYPE's, which selection only lets through where NIM_MODEL_PROFILE names
+    the profile; else "auto" (the hardware's choice: service.engine.torch.device.choose_dtype)."""
+    if profile.precision in PRECISION_DTYPES:
+        return PRECISION_DTYPES[profile.precision]
+    return settings.dtype if PRECISION_SPECS[profile.precision].weight_only else "auto"
 
 
 # The embedded SmolLM2's own template renders no tools; this one (Hermes format) does.

@@ -84,9 +84,21 @@ def test_unknown_model_raises_not_found_in_official_client(base_url: str) -> Non
             {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [CALL_AS_STRING]}]},
             "messages.1.tool_calls.0.function",
         ),
-        (
-            {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{**CALL, "extra": DEEP}]}]},
+        (  # arguments (given as an object) nested past what a template renders
+            {
+                "messages": [
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{**CALL, "function": {"name": "get_time", "arguments": DEEP}}],
+                    },
+                ]
+            },
             "messages",
+        ),
+        (  # an unknown field of a tool call (issue 43)
+            {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{**CALL, "extra": 1}]}]},
+            "messages.1.tool_calls.0.extra",
         ),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
         ({"tools": [TOOL, TOOL]}, "tools.1.function.name"),

@@ -14,6 +14,7 @@ import pytest
 from service.config import load_settings
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
 from service.engine.torch.engine import LoopOutbox, TorchEngine
+from service.engine.torch.engine_stats import StatsPublisher
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
 
@@ -125,6 +126,23 @@ def test_outbox_wakes_the_loop_once_per_batch_and_never_while_held() -> None:
     with outbox.held():
         pass
     assert loop.calls == []  # nothing gathered: nothing to wake for
+
+
+def test_a_flush_scheduled_before_a_hold_takes_nothing_the_hold_gathers() -> None:
+    """What a step gathers goes out only when the step lets go (after its stats are published),
+    even when the loop runs a flush that an earlier output scheduled while the step still holds."""
+    loop = _RecordingLoop()
+    outbox = LoopOutbox(loop)  # type: ignore[arg-type]
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    out = RequestOutput("r", "x", [1], 3, 1, False)
+    outbox.put(queue, out)  # released: a flush is scheduled
+    with outbox.held():
+        outbox.put(queue, out)
+        loop.calls.pop()()  # the loop runs that flush while the engine holds the outbox
+        assert queue.qsize() == 1
+    assert queue.qsize() == 1 and len(loop.calls) == 1  # released on leaving: one more flush
+    loop.calls.pop()()
+    assert queue.qsize() == 2
 
 
 def test_a_step_posts_its_outputs_while_holding_the_outbox(
@@ -366,3 +384,38 @@ def test_n_choices_admitted_together_compute_their_prompt_once(engine: TorchEngi
     cached = sorted(r.outputs[-1].num_cached_tokens for r in results.values())
     assert cached == [0] + [shared] * (n - 1)
     assert len({tuple(r.token_ids) for r in results.values()}) == 1  # greedy: the same answer
+
+
+def test_a_request_whose_last_output_arrived_is_no_longer_counted(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step publishes the stats that count its outputs before it releases them (issue 43), so a
+    client holding its last output never reads a gauge still counting it: here publishing is made
+    slow, which widened the window to the whole wait when outputs went out first. The same after
+    an abort: when closing a stream returns, the engine has ended it and the gauge shows that."""
+    original = StatsPublisher.publish
+
+    def slow(self: StatsPublisher, *args: object, **kwargs: object) -> None:
+        time.sleep(0.02)
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StatsPublisher, "publish", slow)
+
+    async def finished(rid: str) -> int:
+        async for out in engine.generate(request(rid, prompt_of(engine, 6, 70), max_tokens=2)):
+            if out.finished:
+                return engine.stats().num_running
+        raise AssertionError("no finished output")
+
+    async def closed(rid: str) -> int:
+        stream = engine.generate(request(rid, prompt_of(engine, 6, 71), max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            if out.num_generated_tokens >= 2:
+                break
+        await stream.aclose()  # what a disconnecting client does
+        return engine.stats().num_running
+
+    assert [asyncio.run(finished(f"last-{i}")) for i in range(3)] == [0, 0, 0]
+    assert [asyncio.run(closed(f"closed-{i}")) for i in range(3)] == [0, 0, 0]
+    monkeypatch.undo()
+    wait_idle(engine)

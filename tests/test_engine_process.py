@@ -486,3 +486,29 @@ def test_lora_adapters_are_served_and_mirrored_from_the_engine_process(tmp_path:
         assert tokens(remote["sql"]) != tokens(remote["base"])  # the adapter ran
     finally:
         asyncio.run(engine.stop())
+
+
+def test_a_request_the_client_has_ended_is_no_longer_counted(
+    engine: ProcessEngine, tokenizer: Tokenizer
+) -> None:
+    """The engine process sends a step's stats with its outputs, applied here before the outputs
+    are released (issue 43): a client holding its last output, or whose closed stream has
+    returned (its abort taken by the engine), reads a gauge that no longer counts it."""
+    prompt = tokenizer.encode("Count the stats:")
+
+    async def finished(rid: str) -> int:
+        async for out in engine.generate(request(rid, prompt, max_tokens=2)):
+            if out.finished:
+                return engine.stats().num_running
+        raise AssertionError("no finished output")
+
+    async def closed(rid: str) -> int:
+        stream = engine.generate(request(rid, prompt, max_tokens=500, ignore_eos=True))
+        async for out in stream:
+            if out.num_generated_tokens >= 2:
+                break
+        await stream.aclose()
+        return engine.stats().num_running
+
+    assert [asyncio.run(finished(f"last-{i}")) for i in range(5)] == [0] * 5
+    assert [asyncio.run(closed(f"closed-{i}")) for i in range(5)] == [0] * 5

@@ -5,6 +5,7 @@ chats and completions, streamed and not, with vLLM's buckets; both /v1/metrics a
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -220,3 +221,33 @@ def test_phases_add_up(run: tuple[dict[str, float], dict[str, float], list[Sent]
     assert queue + inference == pytest.approx(e2e, abs=1e-6)
     assert total("time_to_first_token_seconds", "") == pytest.approx(ttft, abs=1e-9)
     assert total("e2e_request_latency_seconds", "") == pytest.approx(e2e, abs=1e-9)
+
+
+def test_the_running_gauge_agrees_with_answers_and_aborts(base_url: str) -> None:
+    """A client that has its whole answer never scrapes a gauge still counting it, and a request
+    counted as aborted is no longer counted as running (issue 43: the engine published a step's
+    stats after releasing its outputs, and an abort was counted before the engine had taken it)."""
+    body = {"model": EMBEDDED_NAME, "prompt": "One, two,", "max_tokens": 2, "stream": True}
+    running = []
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for _ in range(5):
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                assert "[DONE]" in response.read().decode()
+            running.append(scrape(f"{base_url}/v1/metrics")["num_requests_running"])
+        assert running == [0.0] * 5
+
+        aborted = f'vllm:request_success_total{{finished_reason="abort",model_name="{EMBEDDED_NAME}"}}'
+        before = scrape(f"{base_url}/v1/metrics").get(aborted, 0.0)
+        long_body = {**body, "max_tokens": 2000, "ignore_eos": True}
+        for _ in range(4):
+            with client.stream("POST", "/v1/completions", json=long_body) as response:
+                next(response.iter_lines())  # the first event, then the client leaves
+        deadline = time.monotonic() + 10
+        while True:
+            now = scrape(f"{base_url}/v1/metrics")
+            gone = now.get(aborted, 0.0) - before
+            assert gone + now["num_requests_running"] <= 4, (gone, now["num_requests_running"])
+            if gone == 4 or time.monotonic() > deadline:
+                break
+        assert gone == 4 and now["num_requests_running"] == 0

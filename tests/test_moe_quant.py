@@ -17,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -132,7 +133,9 @@ def test_two_gloo_ranks_with_int8_experts_compute_the_unsharded_model(
 
 
 def test_the_server_serves_int8_experts(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """float32 activations: the answer is transformers' greedy tokens on the dequantized weights."""
+    """float32 activations, asked for with NIM_DTYPE whatever the host (issue 43: the server picks
+    bfloat16 where the CPU has bf16 instructions, and this float32 reference then failed): the
+    answer is transformers' greedy tokens on the dequantized weights."""
     directory = _write("qwen3_moe", tmp_path_factory)
     dequantized = tmp_path / "dequantized"
     shutil.copytree(directory, dequantized)
@@ -142,8 +145,11 @@ def test_the_server_serves_int8_experts(tmp_path_factory: pytest.TempPathFactory
     env = {
         "NIM_MODEL_PROFILE": "torch-generic-int8_wo-tp1-pp1-throughput",
         "NIM_MODEL_NAME": str(directory),
+        "NIM_DTYPE": "float32",
     }
     with serving(tmp_path / "server.log", env) as server:
+        runtime = httpx.get(f"{server.base_url}/v1/metadata", timeout=10).json()["selectedProfile"]["runtime"]
+        assert (runtime["weight_precision"], runtime["activation_dtype"]) == ("int8_wo", "float32")
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         meta = client.models.list()
         out = client.completions.create(

@@ -289,3 +289,34 @@ def test_cpu_tensor_parallelism_only_when_asked() -> None:
     listed = {v.profile.name: v for v in assess(big, cpu, TORCH_ONLY)}
     tp2 = listed["torch-generic-fp8-tp2-pp1-throughput"]
     assert "only when NIM_TENSOR_PARALLEL_SIZE=2 asks for it" in tp2.summary()
+
+
+INT8_WO = "torch-generic-int8_wo-tp1-pp1-throughput"
+
+
+def test_nim_dtype_names_the_activations_of_a_weight_only_profile_it_names(manifests) -> None:
+    """NIM_DTYPE filters profiles by precision; with NIM_MODEL_PROFILE naming an int8_wo or int4_wo
+    profile it says what the activations compute in instead (issue 43: NIM_DTYPE=float32 refused
+    int8_wo, so float32 activations over quantized weights could not be asked for)."""
+    embedded, cpu = manifest(manifests, "embedded"), system("cpu_only")
+    fp32 = dataclasses.replace(TORCH_ONLY, precision="fp32")
+    assert select(embedded, cpu, fp32).chosen.profile.precision == "fp32"  # a filter, as before
+    for name in (INT8_WO, "torch-generic-int4_wo-tp1-pp1-throughput"):
+        chosen = select(embedded, cpu, fp32, name)
+        assert chosen.chosen.profile.name == name and chosen.chosen.status == "compatible"
+        assert "its activations in float32 as NIM_DTYPE asks" in chosen.explanation[0]
+    with pytest.raises(ProfileError, match="activations in float16 need a GPU"):
+        select(embedded, cpu, dataclasses.replace(TORCH_ONLY, precision="fp16"), INT8_WO)
+    llama = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    with pytest.raises(ProfileError, match="precision fp8, but NIM_DTYPE asks for fp32"):  # not weight-only
+        select(llama, system("h100x1"), fp32, "torch-generic-fp8-tp1-pp1-throughput")
+
+
+def test_the_engine_computes_in_what_nim_dtype_names_over_int8_weights() -> None:
+    from service.config import load_settings
+    from service.serving import config_for
+
+    asked = config_for(load_settings(dtype="float32", model_profile=INT8_WO))
+    assert (asked.precision, asked.dtype) == ("int8_wo", "float32")
+    assert config_for(load_settings(model_profile=INT8_WO)).dtype == "auto"  # the hardware's choice
+    assert config_for(load_settings(dtype="float32")).precision == "fp32"

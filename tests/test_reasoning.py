@@ -17,6 +17,7 @@ recognised as qwen3 with no setting.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ SUCCESSOR = {
     "{": "}",
     "\n": CALL,
 }
-SECOND = {"</think>": "{", "<tool_call>": "\n"}  # what a grammar falls back on
+SECOND = {"</think>": "{", "<tool_call>": "\n", "<|tool_turn|>": "{"}  # what a grammar falls back on
 TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
     "{%- if tools %}<|im_start|>system {% for t in tools %}{{ t.function.name }} {% endfor %}"
@@ -479,6 +480,11 @@ def test_deepseek_r1_set_by_name(thinker: Path, tmp_path: Path) -> None:
         assert (message.reasoning_content, message.content) == ("Let me think", "Hello there")
         tool_turn = _chat(client, extra_body={"chat_template_kwargs": {"call_now": True}}).choices[0].message
         assert tool_turn.reasoning_content == f"<tool_call>{CALL}</tool_call>" and tool_turn.content is None
+        # constrained, the same turn does not open <think>: the grammar takes its first token (issue 43)
+        call_now = {"chat_template_kwargs": {"call_now": True}}
+        json_turn = _chat(client, response_format={"type": "json_object"}, extra_body=call_now)
+        message = json_turn.choices[0].message
+        assert message.reasoning_content is None and json.loads(message.content) == {}
         response = httpx.get(f"{server.base_url}/v1/health/ready", timeout=10)
         assert response.status_code == 200
         assert "reasoning parser deepseek_r1 (NIM_REASONING_PARSER)" in server.log()
@@ -535,3 +541,186 @@ def test_tensorrt_llm_refuses_a_constraint_after_thinking(
     with pytest.raises(RequestRefusedError, match="reasoning model is not served by the tensorrt_llm engine"):
         asyncio.run(engine.check(_request([65], guided=after_thinking)))
     asyncio.run(engine.check(_request([65], guided=GuidedDecoding("json_object"))))
+
+
+# --- A constraint where the prompt leaves it open whether the model thinks --------------------------
+
+
+class _Sequence:
+    """A matcher (xgrammar's interface) for one fixed token sequence."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.at = tokens, 0
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> None:
+        bitmask[index].zero_()
+        if self.at < len(self.tokens):
+            from service.engine.torch.guided import _allow
+
+            _allow(bitmask, index, self.tokens[self.at])
+
+    def accept_token(self, token_id: int) -> bool:
+        ok = self.at < len(self.tokens) and token_id == self.tokens[self.at]
+        self.at += ok
+        return ok
+
+    def is_terminated(self) -> bool:
+        return self.at == len(self.tokens)
+
+
+def _allowed(row: Any) -> set[int]:
+    import torch
+
+    bitmask = torch.full((1, 2), -1, dtype=torch.int32)
+    row.fill(bitmask, 0)
+    return {t for t in range(64) if (int(bitmask[0, t >> 5]) >> (t & 31)) & 1}
+
+
+def test_the_first_token_decides_whether_a_constrained_answer_thinks() -> None:
+    """opens_with (<think> as tokens 40, 41) and start_after (</think>: 42): the first token is the
+    grammar's or the opening's; the opening is then forced, the thinking free until </think>, and
+    the grammar constrains after it. Any other first token is the grammar's from the start."""
+    from service.engine.torch.guided import GuidedRow
+
+    row = GuidedRow(_Sequence([7, 8]), start_after=(42,), opens_with=(40, 41))
+    assert _allowed(row) == {7, 40}
+    assert row.accept(7) and row.state == "constrained"  # no thinking: constrained from the first token
+    assert _allowed(row) == {8} and row.accept(8) and row.finished
+
+    thinks = GuidedRow(_Sequence([7, 8]), start_after=(42,), opens_with=(40, 41))
+    assert _allowed(thinks) == {7, 40} and thinks.accept(40) and thinks.state == "opening"
+    assert _allowed(thinks) == {41} and thinks.accept(41) and thinks.state == "thinking"
+    assert len(_allowed(thinks)) == 64 and thinks.accept(3) and thinks.accept(42)  # free, then </think>
+    assert thinks.state == "constrained" and _allowed(thinks) == {7} and not thinks.finished
+
+    takes = GuidedRow(_Sequence([40, 8]), start_after=(42,), opens_with=(40, 41))  # the grammar's too
+    assert _allowed(takes) == {40} and takes.accept(40) and takes.state == "constrained"
+
+    begun = GuidedRow(_Sequence([7]), start_after=(42,))  # the prompt opened the thinking
+    assert begun.state == "thinking" and begun.accept(3) and begun.accept(42) and _allowed(begun) == {7}
+    assert GuidedRow(_Sequence([7])).state == "constrained"
+
+
+def test_a_constrained_turn_thinks_only_if_it_opens_with_think() -> None:
+    from service.text.reasoning import closed
+
+    for name in ("qwen3", "deepseek_r1"):
+        parser = _turn(name).parser
+        turn = parser.for_prompt("x", constrained=True)
+        assert turn == ReasoningTurn(parser, False) and turn.opening == (5,) and turn.start_after == (6,)
+        assert parser.for_prompt("x<think>\n", constrained=True).opening == ()  # begins in the thinking
+        assert parser.for_prompt("x<think></think>", constrained=True) is None
+    deepseek = _turn("deepseek_r1").parser
+    assert deepseek.for_prompt("x") == ReasoningTurn(deepseek, True)  # unconstrained: as before
+    several = ReasoningParser("qwen3", (44, 17400, 46), (9617, 17400, 46), lambda ids: "")  # `<`, think, `>`
+    turn = several.for_prompt("x", constrained=True)
+    assert turn is not None and (turn.start_after, turn.opening) == ((), ())  # constrained at once
+    assert several.for_prompt("x<think>\n", constrained=True).start_after == (9617, 17400, 46)
+    assert closed("<|assistant|>") == "<|assistant|><think>\n\n</think>\n\n"
+    assert closed("<|assistant|><think>\n") == "<|assistant|><think>\n\n</think>\n\n"
+    assert closed("a<think></think>\n") == "a<think></think>\n"
+    assert prompt_state(closed("anything")) == "closed"
+
+
+@pytest.fixture(scope="module")
+def never_thinks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded model, which never writes <think>, with NIM_REASONING_PARSER=qwen3."""
+    log = tmp_path_factory.mktemp("never-thinks") / "server.log"
+    with serving(log, {"NIM_REASONING_PARSER": "qwen3"}) as server:
+        yield server
+
+
+EMBEDDED_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_capital",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"tools": [EMBEDDED_TOOL], "tool_choice": "required"},
+        {"tools": [EMBEDDED_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_capital"}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+        {"extra_body": {"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}},
+    ],
+    ids=["required-tool", "named-tool", "json-schema", "regex"],
+)
+@pytest.mark.parametrize("thinking", [None, False], ids=["default", "enable-thinking-false"])
+def test_a_model_that_never_thinks_gets_its_constraint(
+    never_thinks: ServerProcess, constraint: dict[str, Any], thinking: bool | None
+) -> None:
+    """Issue 43: the grammar waited for a </think> this model never writes, and each of these
+    answered 200 with unconstrained prose. Its first token is not <think>, so the constraint
+    applies from it; `enable_thinking: false` works on a template that does not read it."""
+    import jsonschema
+
+    client = _client(never_thinks)
+    fields = json.loads(json.dumps(constraint))
+    if thinking is not None:
+        fields.setdefault("extra_body", {})["chat_template_kwargs"] = {"enable_thinking": thinking}
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Who are you, and where is the capital of France?"}],
+        temperature=0,
+        max_tokens=48,
+        **fields,
+    )
+    choice = out.choices[0]
+    assert choice.message.reasoning_content is None
+    if "tools" in constraint:
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_capital"
+        jsonschema.validate(json.loads(call.function.arguments), EMBEDDED_TOOL["function"]["parameters"])
+    elif "response_format" in constraint:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    else:
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", choice.message.content), choice.message.content
+
+
+def test_enable_thinking_is_a_boolean_wherever_a_parser_is_active(never_thinks: ServerProcess) -> None:
+    """The template does not read enable_thinking: false closes the thinking in the prompt (the
+    empty block Qwen3's template writes), true asks for what the model does anyway, and anything
+    else is a 400 naming it."""
+    client = _client(never_thinks)
+
+    def prompt_tokens(kwargs: dict[str, Any] | None) -> int:
+        extra = {"chat_template_kwargs": kwargs} if kwargs is not None else {}
+        out = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=HI, max_tokens=1, extra_body=extra
+        )
+        return out.usage.prompt_tokens
+
+    plain = prompt_tokens(None)
+    assert prompt_tokens({"enable_thinking": True}) == plain
+    assert prompt_tokens({"enable_thinking": False}) > plain
+    with pytest.raises(openai.BadRequestError) as caught:
+        prompt_tokens({"enable_thinking": "no"})
+    assert caught.value.body["param"] == "chat_template_kwargs.enable_thinking"  # type: ignore[index]
+
+
+def test_an_answer_that_does_not_open_with_think_is_constrained_from_its_first_token(
+    client: openai.OpenAI,
+) -> None:
+    """The thinker's tool turn answers <tool_call> at once, never <think>: json mode used to wait
+    for </think> and returned the call as prose; now the grammar takes the first token."""
+    out = _chat(client, response_format={"type": "json_object"},
+                extra_body={"chat_template_kwargs": {"call_now": True}})  # fmt: skip
+    message = out.choices[0].message
+    assert message.reasoning_content is None and json.loads(message.content) == {}
+    assert out.choices[0].finish_reason == "stop"

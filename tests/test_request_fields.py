@@ -52,10 +52,19 @@ COMPANIONS: dict[str, dict[str, Any]] = {
 }
 # What a refused example needs beside it to be refused.
 REFUSED_COMPANIONS: dict[str, dict[str, Any]] = {
-    "spaces_between_special_tokens": {"skip_special_tokens": False}
+    "spaces_between_special_tokens": {"skip_special_tokens": False},
+    "tools.N.function.strict": {"tool_choice": "auto"},
+}
+# The valid objects a walked row's example is put into (by the row's top-level name); `N` rows
+# go into the list's first item.
+NESTED_BASES: dict[str, Any] = {
+    "tools": TOOLS,
+    "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
 }
 # Fields of structured_outputs other than the constraints need a constraint beside them.
 SO_CONSTRAINT = {"choice": ["yes", "no"]}
+STRUCTURED_OUTPUTS_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 OVERRIDES: dict[str, Any] = {"model": EMBEDDED_NAME}
 
 
@@ -91,19 +100,31 @@ def base_body(endpoint: Endpoint) -> dict[str, Any]:
 
 
 def request_with(endpoint: Endpoint, row: RequestField, value: Any, refused: bool = False) -> dict[str, Any]:
-    """A request sending `value` for `row` (inside its object for a dotted name)."""
+    """A request sending `value` for `row` (inside its object for a dotted name, in the first item
+    of a list for `N`)."""
     body = base_body(endpoint)
     value = OVERRIDES.get(row.name, value)
-    if "." not in row.name:
-        body.update((REFUSED_COMPANIONS if refused else COMPANIONS).get(row.name, {}))
+    companions = REFUSED_COMPANIONS if refused else COMPANIONS
+    parent, *path = row.name.split(".")
+    body.update(companions.get(parent, {}))
+    body.update(companions.get(row.name, {}) if path else {})
+    if not path:
         body[row.name] = value
         return body
-    parent, key = row.name.split(".", 1)
-    inner = {key: value}
-    if parent == "structured_outputs" and key not in ("json", "regex", "choice", "grammar", "json_object"):
+    inner = json.loads(json.dumps(NESTED_BASES.get(parent, {})))
+    if parent == "structured_outputs" and path[0] not in STRUCTURED_OUTPUTS_CONSTRAINTS:
         inner = {**SO_CONSTRAINT, **inner}
+    cursor = inner
+    for key in path[:-1]:
+        cursor = cursor[0] if key == "N" else cursor.setdefault(key, {})
+    cursor[path[-1]] = value
     body[parent] = inner
     return body
+
+
+def sent_as(row: RequestField) -> str:
+    """Where `request_with` sends a row's value: its name, the first item for `N`."""
+    return row.name.replace(".N.", ".0.")
 
 
 def post(http: httpx.Client, endpoint: Endpoint, body: dict[str, Any]) -> httpx.Response:
@@ -151,8 +172,8 @@ def test_every_refused_field_and_value_is_a_400_naming_it(
     response = post(http, endpoint, request_with(endpoint, row, value, refused=True))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == row.name, error
-    assert row.name in error["message"] and error["type"] == "invalid_request_error", error
+    assert error["param"] == sent_as(row), error
+    assert sent_as(row) in error["message"] and error["type"] == "invalid_request_error", error
     assert "\n" not in error["message"]
 
 
@@ -207,6 +228,55 @@ def test_null_is_never_refused(http: httpx.Client, endpoint: Endpoint) -> None:
             "structured_outputs.frobnicate",
         ),
         ("chat", {"guided_frobnicate": "x"}, "guided_frobnicate"),
+        # one level deeper (issue 43): content parts, tools, tool_choice, response_format, tool calls
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "zz": 1}]}]},
+            "messages.0.content.0.zz",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "No", "text": "a"}]}]},
+            "messages.0.content.0.text",
+        ),
+        (
+            "chat",
+            {"tools": [{"type": "function", "function": {"name": "f", "yy": 1}}], "tool_choice": "none"},
+            "tools.0.function.yy",
+        ),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}, "yy": 1}]}, "tools.0.yy"),
+        (
+            "chat",
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time", "xx": 1}}},
+            "tool_choice.function.xx",
+        ),
+        ("chat", {"response_format": {"type": "json_object", "ww": 1}}, "response_format.ww"),
+        ("completions", {"response_format": {"type": "json_object", "ww": 1}}, "response_format.ww"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "vv": 1}}},
+            "response_format.json_schema.vv",
+        ),
+        (
+            "chat",
+            {
+                "messages": [
+                    {"role": "user", "content": "What time is it?"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get_time", "arguments": "{}", "uu": 1},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_1", "content": "09:00"},
+                ]
+            },
+            "messages.1.tool_calls.0.function.uu",
+        ),
     ],
 )
 def test_an_unknown_field_is_refused_as_openai_refuses_it(
@@ -389,6 +459,38 @@ def test_a_message_field_the_template_does_not_get_is_refused(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == f"messages.1.{field}", error
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "09:00"}],
+            "messages.1.tool_call_id",
+            "messages.1.tool_call_id is required",
+        ),
+        (
+            [{"role": "user", "content": "Hi", "tool_call_id": "call_1"}],
+            "messages.0.tool_call_id",
+            "not read on a user message",
+        ),
+        (
+            [{"role": "user", "content": "Hi", "tool_calls": []}],
+            "messages.0.tool_calls",
+            "not read on a user message",
+        ),
+    ],
+    ids=["tool-without-call-id", "call-id-on-user", "tool-calls-on-user"],
+)
+def test_a_message_field_is_required_or_refused_by_role(
+    http: httpx.Client, messages: list[dict[str, Any]], param: str, message: str
+) -> None:
+    """A tool result names its call, as OpenAI requires; a field only some roles carry to the
+    template is refused on the others, not dropped (issue 43)."""
+    response = post(http, "chat", {**base_body("chat"), "messages": messages})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
 
 
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "refusal"])

@@ -132,6 +132,19 @@ def test_a_template_that_never_reads_tools_refuses_them_even_with_a_configured_p
     assert tool_spec(TOOLS, "none", None, blind, "hermes", True) is None  # no tools in play: nothing to show
 
 
+def test_parameters_are_an_object_schema_or_none() -> None:
+    template = ChatTemplate(TEMPLATE)
+    for parameters in (None, {}, {"type": "object"}):
+        function = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+        spec = tool_spec([{"type": "function", "function": function}], "required", None, template, None, True)
+        assert spec is not None and spec.functions["f"]["type"] == "object"
+    for parameters in ({"type": "string"}, {"properties": {"a": {}}}, ["a"]):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        with pytest.raises(APIError, match="Invalid schema for function 'f'") as info:
+            tool_spec([tool], "auto", None, template, None, True)
+        assert info.value.param == "tools.0.function.parameters"
+
+
 def test_duplicate_function_names_are_refused() -> None:
     with pytest.raises(APIError, match="two tools are named 'get_time'") as info:
         tool_spec([*TOOLS, TOOLS[1]], "auto", None, ChatTemplate(TEMPLATE), None, True)
@@ -325,6 +338,7 @@ def test_deeply_nested_parameters_are_never_a_500(server) -> None:
         parameters: dict = {"type": "string"}
         for _ in range(depth):
             parameters = {"type": "array", "items": parameters}
+        parameters = {"type": "object", "properties": {"x": parameters}}  # arguments are an object
         tool = {"type": "function", "function": {"name": "deep", "parameters": parameters}}
         for choice in ("auto", "required"):
             body = {
@@ -455,7 +469,10 @@ def test_pythonic_is_recognised_and_streamed_calls_are_held_back() -> None:
     with pytest.raises(APIError, match="cannot spell 'get-time'"):
         tool_spec(dashed, "required", None, template, None, True)
     keyword = [
-        {"type": "function", "function": {"name": "convert", "parameters": {"properties": {"from": {}}}}}
+        {
+            "type": "function",
+            "function": {"name": "convert", "parameters": {"type": "object", "properties": {"from": {}}}},
+        }
     ]
     with pytest.raises(APIError, match="cannot spell 'from'"):
         tool_spec(keyword, {"type": "function", "function": {"name": "convert"}}, None, template, None, True)

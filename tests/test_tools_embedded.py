@@ -128,3 +128,23 @@ def test_tools_reach_the_prompt_and_a_round_trip_renders(server) -> None:
     )
     message = reply.choices[0].message
     assert message.tool_calls is None or len(message.tool_calls) > 0
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "answer"}}])
+def test_parameters_that_are_not_an_object_schema_are_refused(server, choice: object) -> None:
+    """As OpenAI refuses them (issue 43): arguments are an object of named values, so a string
+    schema could never be met; the grammar used to force `"arguments": "Paris"`, which the parser
+    then failed to read, and the answer came back as prose with no tool_calls."""
+    tool = {"type": "function", "function": {"name": "answer", "parameters": {"type": "string"}}}
+    body = {
+        "model": EMBEDDED_NAME,
+        "messages": [{"role": "user", "content": "The capital of France?"}],
+        "tools": [tool],
+        "tool_choice": choice,
+        "max_tokens": 16,
+    }
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools.0.function.parameters", error
+    assert "'type: \"object\"'" in error["message"] and "got 'type: \"string\"'" in error["message"], error

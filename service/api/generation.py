@@ -164,15 +164,15 @@ def sampling_params(
 
 def reject_unsupported(request: SamplingFields) -> None:
     """400 for any field the request sent that service.api.request_fields' table does not honour
-    on its endpoint, with that value (top-level fields, those of stream_options, nvext and
-    structured_outputs, and the types of chat messages' content parts); null is never refused.
-    Runs before anything else reads the request."""
+    on its endpoint, with that value (top-level fields and those of the objects it walks, chat
+    messages' fields by role, their tool calls, and their content parts by type); null is never
+    refused. Runs before anything else reads the request."""
     check_request(request.endpoint, request)
     for i, message in enumerate(getattr(request, "messages", None) or ()):
-        check_message_fields(sent_fields(message), f"messages.{i}")
+        check_message_fields(message.role, sent_fields(message), f"messages.{i}")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
-                check_content_part(part.type, f"messages.{i}.content.{j}")
+                check_content_part(part.type, sent_fields(part), f"messages.{i}.content.{j}")
 
 
 @dataclass

@@ -72,6 +72,11 @@ def _response_format(value: Any) -> GuidedDecoding | None:
     if not isinstance(value, dict):
         raise invalid_request("response_format must be an object with a type", param)
     kind = value.get("type", "text")
+    if kind != "json_schema" and value.get("json_schema") is not None:
+        raise invalid_request(
+            f"response_format.json_schema is read only with type json_schema, not {kind!r}",
+            "response_format.json_schema",
+        )
     if kind == "text":
         return None
     if kind == "json_object":

@@ -63,7 +63,7 @@ from service.api.tools import ToolCall, ToolSpec, ToolStream, tool_spec
 from service.engine.protocol import GenerationRequest, RequestRefusedError, TokenLogprob
 from service.telemetry.tracing import annotate
 from service.text.chat_template import ChatTemplate
-from service.text.reasoning import ReasoningSplitter, ReasoningTurn
+from service.text.reasoning import ReasoningSplitter, ReasoningTurn, closed
 from service.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,20 +116,23 @@ def _chat_prompt(
     tokenizer: Tokenizer,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None,
-    variables: dict[str, Any],
+    inputs: _TemplateInputs,
     source: str | None = None,
 ) -> tuple[str, list[int]]:
     """The conversation's prompt, as text and tokens: rendered by the chat template (the request's
-    own `source`, when it sent one, else the model's; with the request's template `variables`),
-    then tokenized. Slow for long conversations (seconds for megabytes): run it off the event loop."""
+    own `source`, when it sent one, else the model's; with the request's template `inputs`), its
+    thinking closed where the request asked for that, then tokenized. Slow for long conversations
+    (seconds for megabytes): run it off the event loop."""
     rendered = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        extra = {**variables, "tools": tools} if tools is not None else dict(variables)
+        extra = {**inputs.variables, "tools": tools} if tools is not None else dict(inputs.variables)
         text = tokenizer.apply_chat_template(
             rendered, add_generation_prompt=True, chat_template=source, **extra
         )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages" if source is None else "chat_template") from None
+    if inputs.close_thinking:
+        text = closed(text)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -247,13 +250,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_prompt_chars(num_chars, ready.tokenizer.max_token_chars, max_model_len, "messages", limits)
     tools_shown = body.tools if tools is not None else None
     template = _template(ready.tokenizer, body, limits, tools=tools_shown is not None)
-    variables = _template_variables(body, template, ready.tokenizer)
+    inputs = _template_inputs(body, template, ready.tokenizer, ready.reasoning is not None)
     text, prompt = await asyncio.to_thread(
-        _chat_prompt, ready.tokenizer, body.messages, tools_shown, variables, body.chat_template
+        _chat_prompt, ready.tokenizer, body.messages, tools_shown, inputs, body.chat_template
     )
-    turn = ready.reasoning.for_prompt(text) if ready.reasoning is not None else None
+    turn = None
+    if ready.reasoning is not None:
+        turn = ready.reasoning.for_prompt(text, constrained=guided is not None)
     if guided is not None and turn is not None:  # the constraint starts where the thinking ends
-        guided = replace(guided, start_after=turn.start_after)
+        guided = replace(guided, start_after=turn.start_after, opens_with=turn.opening)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "messages"
     state = _state(request)
@@ -335,12 +340,25 @@ def _template(
 _RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
-def _template_variables(
-    body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _TemplateInputs:
+    """What a request adds to its chat template's rendering: variables the template reads, and
+    whether the prompt must end with the thinking closed (`enable_thinking: false` with a reasoning
+    parser: service.text.reasoning.closed)."""
+
+    variables: dict[str, Any]
+    close_thinking: bool = False
+
+
+def _template_inputs(
+    body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer, reasoning: bool
+) -> _TemplateInputs:
     """The request's extra chat template variables (chat_template_kwargs, reasoning_effort), each
-    one the template reads; a 400 naming the field for any other."""
+    one the template reads; a 400 naming the field for any other. `enable_thinking` is the
+    exception where the model has a reasoning parser (`reasoning`): false closes the thinking
+    whether or not the template reads it, true asks for what the model does anyway."""
     variables: dict[str, Any] = {}
+    close_thinking = False
     reserved = _RESERVED_VARIABLES | tokenizer.template_tokens.keys()
     for key, value in (body.chat_template_kwargs or {}).items():
         param = f"chat_template_kwargs.{key}"
@@ -349,7 +367,14 @@ def _template_variables(
                                   param)  # fmt: skip
         if key == "reasoning_effort" and body.reasoning_effort is not None:
             raise invalid_request("reasoning_effort is given twice (also as the request field)", param)
-        if template is None or not template.reads(key):
+        reads = template is not None and template.reads(key)
+        if key == "enable_thinking" and reasoning:
+            if not isinstance(value, bool):
+                raise invalid_request(f"enable_thinking is true or false, not {json.dumps(value)}", param)
+            close_thinking = not value
+            if not reads:
+                continue
+        elif not reads:
             raise invalid_request(
                 f"this model's chat template does not read {key}, so passing it would have no effect", param
             )
@@ -361,7 +386,7 @@ def _template_variables(
                 "reasoning_effort",
             )
         variables["reasoning_effort"] = body.reasoning_effort
-    return variables
+    return _TemplateInputs(variables, close_thinking)
 
 
 @dataclass(frozen=True)

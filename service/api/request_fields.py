@@ -14,11 +14,18 @@ Nothing is accepted and ignored.
   the fields it declares before this table is read.
 - A field the table does not list for the endpoint is refused as OpenAI refuses one:
   `Unrecognized request argument supplied: <name>`. Objects with fields of their own
-  (`stream_options`, `nvext`, `structured_outputs`) are walked: their fields are rows here, with
-  dotted names, refused the same way when unknown.
+  (`stream_options`, `nvext`, `structured_outputs`, `response_format` and its `json_schema`,
+  `tool_choice`, each of `tools` and its `function`) are walked: their fields are rows here, with
+  dotted names (`N` standing for a list item's index: `tools.N.function.name`), refused the same way
+  when unknown, naming the item (`tools.0.function.yy`). Free-form values (a JSON schema, template
+  variables, `logit_bias`, `metadata`) are not walked.
 - Content parts of chat messages are listed by type (CONTENT_PARTS): text only; an image, audio,
-  video or file part is refused naming `messages.N.content.M`. A message's own fields are listed in
-  MESSAGE_FIELDS: each is passed on to the chat template or refused naming `messages.N.<field>`.
+  video or file part is refused naming `messages.N.content.M`, and a text or refusal part's fields
+  beyond its type and its text are refused naming `messages.N.content.M.<field>`. A message's own
+  fields are listed in MESSAGE_FIELDS with the roles whose messages carry them to the chat template:
+  each is passed on or refused naming `messages.N.<field>` (also on a role that does not carry it);
+  an assistant's tool calls are walked the same way (`messages.N.tool_calls.M.<field>`), and a tool
+  message must name the call it answers (`tool_call_id`), as OpenAI requires.
 
 `reject_unsupported` (service.api.generation) applies the table to each request before anything
 else is done with it; `markdown_table` renders it for the README, and the tests walk it whole.
@@ -75,12 +82,14 @@ class RequestField:
             return "refused"
         return "honoured" if self.accepts is None else "partly"
 
-    def refusal(self, value: Any, body: Mapping[str, Any]) -> str | None:
-        """Why `value` (sent, not null) is refused, in one line; None when it is honoured."""
+    def refusal(self, value: Any, body: Mapping[str, Any], param: str | None = None) -> str | None:
+        """Why `value` (sent, not null) is refused, in one line, naming `param` (where it was sent:
+        the row's name with its list indices); None when it is honoured."""
+        where = param or self.name
         if self.honoured_by is None:
-            return f"{self.name} is not supported by this server: {self.why}"
+            return f"{where} is not supported by this server: {self.why}"
         if self.accepts is not None and not self.accepts(value, body):
-            return f"{self.name} {_shown(value)} is not supported by this server: {self.why}"
+            return f"{where} {_shown(value)} is not supported by this server: {self.why}"
         return None
 
 
@@ -136,6 +145,12 @@ def _implicit_cache(value: Any, body: Mapping[str, Any]) -> bool:
     return isinstance(value, dict) and value.get("mode", "implicit") == "implicit" and set(value) <= {"mode"}
 
 
+def _strict_is_enforced(value: Any, body: Mapping[str, Any]) -> bool:
+    """A function's `strict: true` is kept where a grammar makes the call (tool_choice required or
+    named) or no call is made (none); under auto the model's own calls are only parsed."""
+    return value is not True or body.get("tool_choice") not in (None, "auto")
+
+
 _NO_MULTIMODAL = "this model takes text only (no image, audio or video input)"
 _BACKEND = "the server chooses the grammar backend (xgrammar); leave it out"
 _NOT_STORED = "nothing is stored here (store: true is refused)"
@@ -168,9 +183,34 @@ FIELDS: tuple[RequestField, ...] = (
     honoured("top_logprobs", CHAT, "OpenAI", LOGPROBS, 2),
     honoured("response_format", BOTH, "OpenAI", GUIDED, {"type": "json_object"},
              "text, json_object, json_schema; on completions as vLLM takes it"),
+    honoured("response_format.type", BOTH, "OpenAI", GUIDED, "json_schema"),
+    honoured("response_format.json_schema", BOTH, "OpenAI", GUIDED, {"name": "answer", "schema": {}}),
+    honoured("response_format.json_schema.name", BOTH, "OpenAI", NO_EFFECT, "answer", "names the schema"),
+    honoured("response_format.json_schema.schema", BOTH, "OpenAI", GUIDED, {"type": "object"}),
+    honoured("response_format.json_schema.strict", BOTH, "OpenAI", GUIDED, True,
+             "the schema is enforced whether or not strict"),
+    refused("response_format.json_schema.description", BOTH, "OpenAI",
+            "the model is not shown a response format's description: say what is wanted in a message",
+            "A person"),
     honoured("tools", CHAT, "OpenAI", TOOLS,
              [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]),
+    partly("tools.N.type", CHAT, "OpenAI", TOOLS, only("function"), '`"function"`',
+           "only function tools are supported (no custom tools)", "function", "custom"),
+    honoured("tools.N.function", CHAT, "OpenAI", TOOLS, {"name": "get_time"}),
+    honoured("tools.N.function.name", CHAT, "OpenAI", TOOLS, "get_time"),
+    honoured("tools.N.function.description", CHAT, "OpenAI", TOOLS, "The time now",
+             "rendered by the chat template with the tool"),
+    honoured("tools.N.function.parameters", CHAT, "OpenAI", TOOLS, {"type": "object"},
+             "a JSON schema of type object, as OpenAI requires"),
+    partly("tools.N.function.strict", CHAT, "OpenAI", TOOLS, _strict_is_enforced,
+           "`false`; `true` with tool_choice none, required or a named function",
+           "the arguments are enforced by a grammar only where tool_choice forces the call (required or "
+           "named); under auto the model's calls are parsed, not constrained", False, True),
     honoured("tool_choice", CHAT, "OpenAI", TOOLS, "none"),
+    partly("tool_choice.type", CHAT, "OpenAI", TOOLS, only("function"), '`"function"`',
+           "only a function can be chosen (no allowed_tools or custom tools)", "function", "allowed_tools"),
+    honoured("tool_choice.function", CHAT, "OpenAI", TOOLS, {"name": "get_time"}),
+    honoured("tool_choice.function.name", CHAT, "OpenAI", TOOLS, "get_time"),
     honoured("parallel_tool_calls", CHAT, "OpenAI", TOOLS, True),
     honoured("reasoning_effort", CHAT, "OpenAI", TEMPLATE, "low",
              "passed to a chat template that reads it; refused where the template does not"),
@@ -342,22 +382,46 @@ CONTENT_PARTS: tuple[ContentPart, ...] = (
     ContentPart("file", None, "files are not supported by this model"),
 )
 
-# The fields of one chat message beyond `role` and `content`: None where the template gets them
-# (service.api.openai_routes passes each on), else why they are refused.
-MESSAGE_FIELDS: dict[str, str | None] = {
-    "name": None,
-    "tool_calls": None,  # an assistant's calls, arguments parsed to objects
-    "tool_call_id": None,  # a tool result's call
-    "reasoning_content": None,  # an assistant's earlier thinking (vLLM), as reasoning templates read it
-    "reasoning": None,  # the same, under vLLM's newer name
-    "refusal": None,  # an assistant's earlier refusal, its text when there is no content
-    "function_call": "deprecated by OpenAI: send the call as tool_calls",
-    "audio": "audio is not supported by this model",
-}
+# The fields of a content part beyond `type`, by its (honoured) type.
+CONTENT_PART_FIELDS: dict[str, tuple[str, ...]] = {"text": ("text",), "refusal": ("refusal",)}
+
+ASSISTANT: frozenset[str] = frozenset({"assistant"})
+ALL_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class MessageField:
+    """A field of one chat message beyond `role` and `content`: passed on to the chat template on
+    messages of `roles` (service.api.openai_routes), refused on others; no roles: refused on every
+    message, because `note`."""
+
+    name: str
+    roles: frozenset[str]
+    note: str
+
+
+_MESSAGE_FIELDS = (
+    MessageField("name", ALL_ROLES, "the participant's name"),
+    MessageField("tool_calls", ASSISTANT, "an assistant's calls, arguments parsed to objects"),
+    MessageField("tool_call_id", frozenset({"tool"}), "the call a tool result answers (required)"),
+    MessageField("reasoning_content", ASSISTANT, "earlier thinking (vLLM), as reasoning templates read it"),
+    MessageField("reasoning", ASSISTANT, "the same, under vLLM's newer name"),
+    MessageField("refusal", ASSISTANT, "an earlier refusal, its text where the message has no content"),
+    MessageField("function_call", frozenset(), "deprecated by OpenAI: send the call as tool_calls"),
+    MessageField("audio", frozenset(), "audio is not supported by this model"),
+)
+MESSAGE_FIELDS: dict[str, MessageField] = {f.name: f for f in _MESSAGE_FIELDS}
+# The fields of an assistant message's tool call, and of its function.
+TOOL_CALL_FIELDS = ("id", "type", "function")
+TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments")
 
 _BY_NAME: dict[tuple[Endpoint, str], RequestField] = {
     (endpoint, f.name): f for f in FIELDS for endpoint in f.endpoints
 }
+# Objects (and lists, as `name.N`) whose fields are rows of their own, by endpoint.
+_PARENTS: frozenset[tuple[Endpoint, str]] = frozenset(
+    (endpoint, name.rsplit(".", 1)[0]) for endpoint, name in _BY_NAME if "." in name
+)
 _PARTS = {p.type: p for p in CONTENT_PARTS}
 
 
@@ -375,10 +439,10 @@ def unrecognized(name: str) -> APIError:
 
 def check_request(endpoint: Endpoint, request: BaseModel) -> None:
     """400 for the first sent field (null ones are not sent) the table refuses or does not list
-    for `endpoint`; objects with rows of their own (stream_options, nvext, structured_outputs) are
-    walked field by field."""
+    for `endpoint`; objects with rows of their own (stream_options, nvext, structured_outputs,
+    response_format, tool_choice, each tool) are walked field by field."""
     fields = sent_fields(request)
-    _check(endpoint, fields, {key: _plain(value) for key, value in fields.items()}, "")
+    _check(endpoint, fields, {key: _plain(value) for key, value in fields.items()}, "", "")
 
 
 def sent_fields(model: BaseModel) -> dict[str, Any]:
@@ -391,21 +455,27 @@ def sent_fields(model: BaseModel) -> dict[str, Any]:
     return {**declared, **(model.model_extra or {})}
 
 
-def _check(endpoint: Endpoint, fields: Mapping[str, Any], body: Mapping[str, Any], prefix: str) -> None:
+def _check(endpoint: Endpoint, fields: Mapping[str, Any], body: Mapping[str, Any], name_prefix: str,
+           param_prefix: str) -> None:  # fmt: skip
+    """`fields` of the object whose rows begin `name_prefix` ("tools.N.") and which was sent at
+    `param_prefix` ("tools.0.")."""
     for key, value in fields.items():
         if value is None:
             continue
-        name = prefix + key
+        name, param = name_prefix + key, param_prefix + key
         row = lookup(endpoint, name)
         if row is None:
-            raise unrecognized(name)
-        why = row.refusal(_plain(value), body)
+            raise unrecognized(param)
+        why = row.refusal(_plain(value), body, param)
         if why is not None:
-            raise invalid_request(why, name)
-        if _has_rows(endpoint, name):
-            inner = sent_fields(value) if isinstance(value, BaseModel) else value
-            if isinstance(inner, Mapping):
-                _check(endpoint, inner, body, name + ".")
+            raise invalid_request(why, param)
+        inner = sent_fields(value) if isinstance(value, BaseModel) else value
+        if (endpoint, name) in _PARENTS and isinstance(inner, Mapping):
+            _check(endpoint, inner, body, name + ".", param + ".")
+        elif (endpoint, name + ".N") in _PARENTS and isinstance(inner, list):
+            for i, item in enumerate(inner):
+                if isinstance(item, Mapping):
+                    _check(endpoint, item, body, name + ".N.", f"{param}.{i}.")
 
 
 def _plain(value: Any) -> Any:
@@ -413,31 +483,55 @@ def _plain(value: Any) -> Any:
     return value.model_dump(exclude_unset=True, by_alias=True) if isinstance(value, BaseModel) else value
 
 
-def _has_rows(endpoint: Endpoint, name: str) -> bool:
-    """Whether `name` is an object whose fields are rows of their own."""
-    return any(key[0] == endpoint and key[1].startswith(name + ".") for key in _BY_NAME)
-
-
-def check_message_fields(sent: Mapping[str, Any], param: str) -> None:
-    """400 for a field of one chat message (`param`: messages.N) that is not carried to the template."""
+def check_message_fields(role: str, sent: Mapping[str, Any], param: str) -> None:
+    """400 for a field of one chat message (`param`: messages.N) that is not carried to the template
+    on a message of `role`, or for a tool message that names no call; an assistant's tool calls are
+    walked too."""
     for name, value in sent.items():
         if value is None or name in ("role", "content"):
             continue
-        if name not in MESSAGE_FIELDS:
+        field = MESSAGE_FIELDS.get(name)
+        if field is None:
             raise unrecognized(f"{param}.{name}")
-        why = MESSAGE_FIELDS[name]
-        if why is not None:
-            raise invalid_request(f"{param}.{name} is not supported by this server: {why}", f"{param}.{name}")
+        if not field.roles:
+            raise invalid_request(f"{param}.{name} is not supported by this server: {field.note}",
+                                  f"{param}.{name}")  # fmt: skip
+        if role not in field.roles:
+            raise invalid_request(
+                f"{param}.{name} is not read on a {role} message (only on {', '.join(sorted(field.roles))} "
+                "messages)",
+                f"{param}.{name}",
+            )
+    if role == "tool" and not isinstance(sent.get("tool_call_id"), str):
+        raise invalid_request(
+            f"{param}.tool_call_id is required: a tool message answers the tool call it names",
+            f"{param}.tool_call_id",
+        )
+    calls = sent.get("tool_calls")
+    for j, call in enumerate(calls if isinstance(calls, list) else ()):
+        if isinstance(call, Mapping):
+            _check_keys(call, TOOL_CALL_FIELDS, f"{param}.tool_calls.{j}")
+            function = call.get("function")
+            if isinstance(function, Mapping):
+                _check_keys(function, TOOL_CALL_FUNCTION_FIELDS, f"{param}.tool_calls.{j}.function")
 
 
-def check_content_part(part_type: str, param: str) -> None:
-    """400 for a content part this model cannot take, naming `messages.N.content.M`."""
+def check_content_part(part_type: str, sent: Mapping[str, Any], param: str) -> None:
+    """400 for a content part this model cannot take, or a field its type does not have, naming
+    `messages.N.content.M` (and the field)."""
     part = _PARTS.get(part_type)
     if part is None:
         known = ", ".join(p.type for p in CONTENT_PARTS if p.honoured_by is not None)
         raise invalid_request(f"content part type {_shown(part_type)} is not supported (only {known})", param)
     if part.honoured_by is None:
         raise invalid_request(part.why, param)
+    _check_keys(sent, ("type", *CONTENT_PART_FIELDS.get(part_type, ())), param)
+
+
+def _check_keys(sent: Mapping[str, Any], known: Sequence[str], param: str) -> None:
+    for key, value in sent.items():
+        if value is not None and key not in known:
+            raise unrecognized(f"{param}.{key}")
 
 
 def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
@@ -470,6 +564,11 @@ def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
             else f"{part.honoured_by}" + (f"; {part.why}" if part.why else "")
         )
         lines.append(f"| `{part.type}` | {status} | {reason} |")
+    lines += ["", "| message field | carried on | by / why |", "|---|---|---|"]
+    for field in MESSAGE_FIELDS.values():
+        roles = ", ".join(sorted(field.roles)) if field.roles else "refused"
+        by = TEMPLATE + "; " if field.roles else ""
+        lines.append(f"| `{field.name}` | {roles} | {by}{field.note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.api.request_fields import Endpoint, check_content_part
+from service.api.request_fields import Endpoint, check_content_part, sent_fields
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16
@@ -63,7 +63,7 @@ class ContentPart(BaseModel):
         return self
 
     def as_text(self, param: str) -> str:
-        check_content_part(self.type, param)
+        check_content_part(self.type, sent_fields(self), param)
         return (self.text if self.type == "text" else self.refusal) or ""
 
 

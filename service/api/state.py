@@ -77,6 +77,7 @@ class ModelInfo:
                 "device": engine.device,
                 "weight_precision": engine.weight_precision,
                 "precision_mode": engine.precision_mode,
+                "activation_dtype": engine.activation_dtype or None,
                 "kv_cache_dtype": engine.kv_cache_dtype,
                 "tensor_parallel_size": engine.tensor_parallel_size,
             },

@@ -14,8 +14,10 @@ family's format, which a parser reads back:
   False / None, lists, tuples, dicts); anything else -- a name, an expression, a nested call -- is
   not a call, and nothing is ever evaluated.
 
-The parser is chosen from the chat template (the markers it renders), or NIM_TOOL_CALL_PARSER;
-a template that never reads `tools` cannot show them to the model, and tools are refused for it.
+A function's `parameters` must be a JSON schema of type object, as OpenAI requires (arguments are
+an object of named values). The parser is chosen from the chat template (the markers it renders),
+or NIM_TOOL_CALL_PARSER; a template that never reads `tools` cannot show them to the model, and
+tools are refused for it.
 `tool_choice`: `none` renders no tools and parses nothing; `auto` (the default with tools) parses
 the answer, and text that is not a well-formed call of a known function stays content (never an
 empty tool_calls list); `required` and a named function constrain the output with a grammar
@@ -290,12 +292,7 @@ def tool_spec(
             raise invalid_request(
                 f"two tools are named {name!r}; function names must be unique", f"tools.{i}.function.name"
             )
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise invalid_request(
-                "function parameters must be a JSON schema object", f"tools.{i}.function.parameters"
-            )
-        functions[name] = parameters
+        functions[name] = _parameters(name, function.get("parameters"), f"tools.{i}.function.parameters")
     choice = _choice(tool_choice, functions)
     if choice is None:
         return None
@@ -329,6 +326,25 @@ def tool_spec(
             "tool_choice",
         )
     return ToolSpec(parser, functions, choice, parallel_tool_calls is not False)
+
+
+def _parameters(name: str, parameters: Any, param: str) -> dict[str, Any]:
+    """A function's parameters schema, checked as OpenAI checks it: a JSON schema of type object
+    (absent or `{}`: no parameters). Arguments are always an object of named values, so a schema of
+    any other type could never be met (a grammar would force arguments the call cannot carry)."""
+    if parameters is None or parameters == {}:
+        return {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid_request(f"Invalid schema for function {name!r}: parameters must be a JSON schema",
+                              param)  # fmt: skip
+    kind = parameters.get("type")
+    if kind != "object":
+        raise invalid_request(
+            f"Invalid schema for function {name!r}: schema must be a JSON Schema of 'type: \"object\"', got "
+            f"'type: {json.dumps(kind)}'",
+            param,
+        )
+    return parameters
 
 
 def detect_parser(template: str | None) -> ParserName | None:

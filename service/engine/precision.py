@@ -42,6 +42,9 @@ class PrecisionSpec:
     native_cuda_measured: bool = False
     runs_on_cpu: bool = True  # the torch engine computes in it on a CPU
     cpu_wants_bf16: bool = False  # fast on a CPU only with bf16 instructions (it computes in bf16)
+    # Quantized weights only, activations never: NIM_DTYPE, with a profile of it named by
+    # NIM_MODEL_PROFILE, says which float dtype its activations compute in (its kernels take each).
+    weight_only: bool = False
     torch_min_capability: Capability | None = None  # the torch engine refuses older GPUs (no emulation)
     trtllm: bool = False  # TensorRT-LLM runs it
     trtllm_min_capability: Capability | None = None  # TensorRT-LLM's lowest compute capability for it
@@ -63,6 +66,8 @@ class PrecisionSpec:
             raise ValueError(f"precision {self.name}: a native CUDA kernel states its compute capability")
         if self.native_cuda_measured and self.native_cuda is None:
             raise ValueError(f"precision {self.name}: only a native CUDA kernel is measured")
+        if self.weight_only and not self.quantized:
+            raise ValueError(f"precision {self.name}: only a quantized precision is weight-only")
 
 
 # In the order selection prefers them (service.selection.profiles.PRECISIONS), other things equal.
@@ -95,6 +100,7 @@ SPECS: tuple[PrecisionSpec, ...] = (
         quantized_at_load=True,
         native_cpu="packed int kernels",  # aten._weight_int4pack_mm_for_cpu
         cpu_wants_bf16=True,
+        weight_only=True,
         trtllm=True,
         trtllm_min_capability=(7, 5),
     ),
@@ -106,6 +112,7 @@ SPECS: tuple[PrecisionSpec, ...] = (
         quantized_at_load=True,
         native_cpu="packed int kernels",  # aten._weight_int8pack_mm
         cpu_wants_bf16=True,
+        weight_only=True,
         trtllm=True,
         trtllm_min_capability=(7, 5),
     ),

@@ -21,7 +21,10 @@ Batching: the engine wakes its process's event loop once per step; every request
 step is gathered into one Update before it is sent. In the API process one reader thread receives
 it, looks up each request's queue and wakes each event loop once for the whole batch. Stats
 travel in the same Update (and on a short tick when they change while no output flows), so
-`stats()` returns the latest snapshot without asking anyone.
+`stats()` returns the latest snapshot without asking anyone. An Update's stats are applied before
+its outputs are released, and the engine published them before it released those outputs in its
+own process, so a client holding its last output never reads a gauge still counting it; a stream
+closed early waits for the engine's abort output (at most ABORT_WAIT_S) for the same reason.
 
 Endings, as in process: every request ends with one finished output. An abort (the iterator
 closed, or `abort`) is sent to the engine, whose abort output ends the request. If the engine
@@ -81,6 +84,7 @@ from service.engine.protocol import (
     GenerationRequest,
     LoadedEngine,
     RequestOutput,
+    until_last,
 )
 from service.logs import JSONLinesFormatter
 from service.util import one_line
@@ -90,6 +94,7 @@ log = logging.getLogger(__name__)
 EngineProcessMode = Literal["auto", "on", "off"]  # NIM_ENGINE_PROCESS
 ENGINE_PROCESS_SETTING = "NIM_ENGINE_PROCESS=off"  # what turns it off (/v1/metadata's executionPaths)
 STOP_TIMEOUT_S = 40.0  # a stop: the engine's own (its thread joins in 30 s, then its ranks)
+ABORT_WAIT_S = 5.0  # how long closing a stream early waits for the engine process to take its abort
 KILL_GRACE_S = 5.0  # after terminate, before kill
 
 FatalCallback = Callable[[BaseException], None]
@@ -363,10 +368,12 @@ class ProcessEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                with self._lock:
-                    self._streams.pop(request_id, None)
+            if not finished:  # the engine's abort output ends the stream, its stats applied first
                 self._outbox.put(Abort(request_id))
+                await until_last(stream.outputs, ABORT_WAIT_S)
+                with self._lock:
+                    if self._streams.get(request_id) is stream:  # it timed out
+                        del self._streams[request_id]
 
     def _refusal(self, request_id: str, num_prompt_tokens: int) -> RequestOutput | None:
         """How a request that cannot be submitted ends (under the lock): aborted when the engine is

@@ -7,10 +7,13 @@ know nothing of HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import anyio
 
 from service.text.tokenizer import Tokenizer
 
@@ -32,6 +35,11 @@ class GuidedDecoding:
     # Constrain only the text after these token ids have been generated (a reasoning model's end of
     # thinking, e.g. `</think>`): the reasoning before them is free. Empty: from the first token.
     start_after: tuple[int, ...] = ()
+    # With start_after, when the prompt left it open whether the model thinks: the thinking opens
+    # with these token ids (`<think>`), which must then be the answer's first tokens; an answer
+    # whose first token is another is constrained from that token on. Empty: the prompt opened the
+    # thinking, so the answer begins in it.
+    opens_with: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,7 @@ class EngineInfo:
     features: EngineFeatures = EngineFeatures()
     max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: no adapters served
     max_num_seqs: int = 0  # requests the engine runs at once (NIM's num_request_max); 0: not known
+    activation_dtype: str = ""  # what activations compute in (float32, bfloat16, ...); "": not known
     paths: tuple[PathChoice, ...] = ()  # the execution paths with a fallback, as decided at start
 
 
@@ -311,7 +320,9 @@ class Engine(Protocol):
         """Submit a request; iterate its outputs until one with `finished=True`.
 
         Raises EngineDeadError (on the first iteration) when the engine is dead. Closing the
-        iterator early (client gone) aborts the request.
+        iterator early (client gone) aborts the request, and returns once the engine has taken the
+        abort (or a few seconds have passed: `until_last`), so the stats read afterwards no longer
+        count the request.
         """
         ...
 
@@ -345,3 +356,13 @@ class LoadedEngine:
     info: EngineInfo
     tokenizer: Tokenizer
     adapters: AdapterCatalog | None = None
+
+
+async def until_last(outputs: asyncio.Queue[RequestOutput], timeout_s: float) -> None:
+    """Wait for a request's last output on its queue (an engine posts it once it has ended the
+    request, its stats published first), for at most `timeout_s`: the wait of an iterator closed
+    early, after it asked for the abort. Shielded: a request whose client left is cancelled by
+    Starlette's cancel scope, which cancels again at every await until the request's task ends."""
+    with anyio.move_on_after(timeout_s, shield=True):
+        while not (await outputs.get()).finished:
+            pass

@@ -238,6 +238,9 @@ class Policy:
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None
     precision: str | None = None  # only profiles of this precision tag (NIM_DTYPE), None: any
+    # NIM_DTYPE's tag for a weight-only profile NIM_MODEL_PROFILE names: not a filter there, but the
+    # float precision its activations (and an auto KV cache) compute in; None: the hardware's choice
+    activations: str | None = None
     # What each engine can run (service.engine.registry); engines absent here are not checked.
     engine_support: Mapping[str, EngineSupport] = field(default_factory=dict)
 
@@ -260,9 +263,12 @@ class Verdict:
         return "; ".join(self.reasons)
 
 
-def kv_bytes_per_token_per_device(profile: Profile, arch: Architecture) -> float:
+def kv_bytes_per_token_per_device(
+    profile: Profile, arch: Architecture, activations: str | None = None
+) -> float:
+    """`activations`: the precision a weight-only profile's activations compute in (NIM_DTYPE)."""
     if profile.kv_cache_dtype == "auto":  # the activation dtype: a float precision's own, else 16-bit
-        spec = PRECISION_SPECS.get(profile.precision)
+        spec = PRECISION_SPECS.get(profile.precision if activations is None else activations)
         element = KV_BYTES[spec.dtype] if spec is not None and spec.dtype is not None else 2
     else:
         element = KV_BYTES.get(profile.kv_cache_dtype, 2)
@@ -286,6 +292,8 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
         reasons.append(f"tp={profile.tp}, but NIM_TENSOR_PARALLEL_SIZE={policy.tensor_parallel_size}")
     if policy.precision is not None and profile.precision != policy.precision:
         reasons.append(f"precision {profile.precision}, but NIM_DTYPE asks for {policy.precision}")
+    if policy.activations is not None:
+        reasons += _activation_refusals(policy.activations, system)
     devices = profile.tp * profile.pp
     gpus = system.gpus[:devices]
     spec = PRECISION_SPECS.get(profile.precision)
@@ -325,6 +333,29 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
     return dataclasses.replace(verdict, mode=mode, mode_note=note)
 
 
+def _activation_refusals(activations: str, system: SystemInfo) -> list[str]:
+    """Why activations of float precision `activations` (NIM_DTYPE over weight-only weights) do not
+    run on this system's devices: the same as for weights of that precision."""
+    spec = PRECISION_SPECS[activations]
+    if not system.gpus:
+        if spec.runs_on_cpu:
+            return []
+        return [f"NIM_DTYPE={spec.dtype}: activations in {spec.dtype} need a GPU; on the CPU the engine "
+                f"computes in {_CPU_FLOATS}"]  # fmt: skip
+    needed = spec.torch_min_capability
+    low = min(g.compute_capability for g in system.gpus)
+    if needed is not None and low < needed:
+        return [f"NIM_DTYPE={spec.dtype}: activations in {spec.dtype} need compute capability "
+                f"{needed[0]}.{needed[1]}+, the GPU has {low[0]}.{low[1]}"]  # fmt: skip
+    return []
+
+
+def dtype_names_activations(profile: Profile, policy: Policy) -> bool:
+    """Whether NIM_DTYPE, for `profile` named by NIM_MODEL_PROFILE, names the dtype its activations
+    compute in (a weight-only precision) rather than a precision it does not have."""
+    return policy.precision is not None and PRECISION_SPECS[profile.precision].weight_only
+
+
 def _precision_mode(profile: Profile, system: SystemInfo) -> tuple[Mode, str]:
     """How the profile's precision runs here (TensorRT-LLM builds only what its GPU runs)."""
     if profile.llm_engine != "torch":
@@ -341,7 +372,7 @@ def _precision_mode(profile: Profile, system: SystemInfo) -> tuple[Mode, str]:
 
 def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, policy: Policy) -> Verdict:
     devices = profile.tp * profile.pp
-    per_token = kv_bytes_per_token_per_device(profile, arch)
+    per_token = kv_bytes_per_token_per_device(profile, arch, policy.activations)
     overhead = RUNTIME_OVERHEAD_BYTES
     if system.gpus:
         capacity = min(g.memory_total for g in system.gpus[:devices]) * GPU_MEMORY_UTILIZATION
@@ -470,9 +501,15 @@ def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: st
                 f"NIM_MODEL_PROFILE={requested!r} names no profile of {manifest.model}; known: {known}"
             )
         chosen = matches[0]
+        why = [f"selected {chosen.profile.name} ({chosen.profile.id[:12]}) as requested by NIM_MODEL_PROFILE"]
+        activations = policy.precision
+        if activations is not None and dtype_names_activations(chosen.profile, policy):
+            asked = dataclasses.replace(policy, precision=None, activations=activations)
+            chosen = evaluate(chosen.profile, manifest.architecture, system, asked)
+            verdicts = [chosen if v.profile == chosen.profile else v for v in verdicts]
+            why[0] += f", its activations in {PRECISION_SPECS[activations].dtype} as NIM_DTYPE asks"
         if chosen.status == "incompatible":
             raise ProfileError(f"profile {chosen.profile.name} cannot run here: {chosen.summary()}")
-        why = [f"selected {chosen.profile.name} ({chosen.profile.id[:12]}) as requested by NIM_MODEL_PROFILE"]
         return Selection(chosen, verdicts, why + explain(verdicts))
     runnable = [v for v in verdicts if v.status == "compatible"]
     low = [v for v in verdicts if v.status == "low_memory"]

@@ -30,8 +30,17 @@ thinking's token count (usage.completion_tokens_details.reasoning_tokens) is cou
 the markers excluded.
 
 Structured output and tool calls apply to the answer: `ReasoningTurn.start_after` are the token ids
-of `</think>`, after which an engine's grammar begins to constrain (empty when the prompt closed the
-thinking: the grammar applies from the first token).
+of `</think>`, after which an engine's grammar begins to constrain (no turn when the prompt closed the
+thinking: the grammar applies from the first token). A constrained answer whose prompt left it open
+whether the model thinks is read as qwen3 reads one, whatever the parser: the thinking, if any,
+opens with `<think>` as the answer's first token (`ReasoningTurn.opening`; only where `<think>` is
+one token); an answer that does not begin so is the answer, constrained from its first token. So a
+model that never thinks still gets its constraint (a deepseek_r1 turn would wait for a `</think>`
+that never comes).
+
+`enable_thinking: false` works wherever a parser is active (`closed`): the prompt ends with the
+thinking closed, by the chat template where it reads `enable_thinking`, else (or where it renders
+no closed block) by the server, which ends the prompt with the empty block Qwen3's template writes.
 """
 
 from __future__ import annotations
@@ -66,13 +75,28 @@ class ReasoningParser:
     end_ids: tuple[int, ...]
     decode: Callable[[Sequence[int]], str]  # token ids -> text, as the answer is decoded
 
-    def for_prompt(self, prompt_text: str) -> ReasoningTurn | None:
+    def for_prompt(self, prompt_text: str, constrained: bool = False) -> ReasoningTurn | None:
         """How the answer to a prompt is split; None when the prompt closed the thinking already
-        (the whole answer is content, and a grammar applies from the first token)."""
+        (the whole answer is content, and a grammar applies from the first token). `constrained`:
+        the answer has a grammar, so where the prompt did not open the thinking, only an answer
+        that begins with `<think>` thinks (see the module docstring)."""
         state = prompt_state(prompt_text)
         if state == "closed":
             return None
-        return ReasoningTurn(self, opens_thinking=state == "open" or self.name == "deepseek_r1")
+        opens = state == "open" or (self.name == "deepseek_r1" and not constrained)
+        return ReasoningTurn(self, opens_thinking=opens)
+
+
+def closed(prompt_text: str) -> str:
+    """The prompt with its thinking closed, as Qwen3's template closes it for `enable_thinking:
+    false`: unchanged where it ends closed already, an open block closed, else an empty block added
+    after the generation prompt."""
+    state = prompt_state(prompt_text)
+    if state == "closed":
+        return prompt_text
+    if state == "open":
+        return prompt_text[: len(prompt_text.rstrip())] + "\n\n" + THINK_END + "\n\n"
+    return prompt_text + THINK_START + "\n\n" + THINK_END + "\n\n"
 
 
 def prompt_state(prompt_text: str) -> Literal["open", "closed", "none"]:
@@ -96,8 +120,19 @@ class ReasoningTurn:
 
     @property
     def start_after(self) -> tuple[int, ...]:
-        """The token ids after which structured output begins (the end of the thinking)."""
-        return self.parser.end_ids
+        """The token ids after which structured output begins (the end of the thinking); empty
+        where it begins with the answer's first token (the answer cannot open a thinking block)."""
+        return self.parser.end_ids if self.opens_thinking or self.opening else ()
+
+    @property
+    def opening(self) -> tuple[int, ...]:
+        """The token id that opens the thinking as the answer's first token, where the answer may
+        think or not; empty where it begins in the thinking, and where `<think>` is several tokens
+        (a tokenizer made for thinking has it as one; a first token such as `<` would not say that
+        the model thinks, and committing to the thinking on it would drop the constraint)."""
+        if self.opens_thinking or len(self.parser.start_ids) != 1:
+            return ()
+        return self.parser.start_ids
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer; None for a part that is empty."""

@@ -8,8 +8,16 @@ Step loop (all on the engine thread):
      becomes a plain StepPlan;
   3. the model runner runs the plan: one forward pass over the mixed batch, then sampling;
   4. output processing detokenizes, checks stop conditions and posts each request's delta to
-     its asyncio queue (the event loop is woken once, after the step's last delta); finished
-     requests free their blocks at once; a stats snapshot is published for metering.
+     its asyncio queue; finished requests free their blocks at once; a stats snapshot is
+     published for metering, and only then are the step's outputs released (the event loop is
+     woken once, after the step's last delta).
+
+Stats before outputs: whatever the engine thread does that posts outputs (a step, aborts taken from
+the inbox, the end of everything) holds every event loop's outbox until it has published the stats
+that count those outputs, so a client that has its last output never reads a gauge still counting
+its request. A client that closes its stream early waits (at most ABORT_WAIT_SECONDS) for the
+engine to take the abort, so what it reads afterwards, and what metering counts as aborted, agrees
+with the gauge too.
 
 LoRA: device slots are a scheduler resource (service.engine.torch.lora_admission): a request
 naming an adapter is admitted only with a slot holding it (shared with the other requests of
@@ -59,6 +67,7 @@ from service.engine.protocol import (
     RequestRefusedError,
     SamplingParams,
     TokenLogprob,
+    until_last,
 )
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.decode_path import DecodeOptions, choose_decode_path
@@ -82,36 +91,44 @@ from service.util import one_line
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.5
+ABORT_WAIT_SECONDS = 5.0  # how long closing a stream early waits for the engine to take its abort
 
 
 class LoopOutbox:
     """Hands outputs from the engine thread to one event loop's queues, a batch at a time.
 
     The first output after a flush schedules the next flush (one wake-up of the event loop); the
-    rest join the batch without another. While the engine holds the outbox (across one step's
-    output processing) outputs only gather, and letting go schedules the flush: a step of 64
-    sequences wakes the loop once, not 64 times, and never before its last output is in (a loop
-    woken by the first output would take the interpreter lock from the step to flush a few).
+    rest join the batch without another. While the engine holds the outbox (across one step, until
+    its stats are published) outputs only gather, apart from what a flush may take, and letting go
+    releases them and schedules the flush: a step of 64 sequences wakes the loop once, not 64 times,
+    and never before its last output is in (a loop woken by the first output would take the
+    interpreter lock from the step to flush a few). A flush scheduled before the hold takes only
+    what was released before it, never what the hold gathers.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []
+        self._released: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []  # a flush takes these
+        self._gathered: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []  # put while held
         self._flush_scheduled = False
         self._held = False
 
     def put(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
         with self._lock:
-            self._items.append((queue, out))
-            if self._held or self._flush_scheduled:
+            if self._held:
+                self._gathered.append((queue, out))
+                return
+            self._released.append((queue, out))
+            if self._flush_scheduled:
                 return
             self._flush_scheduled = True
         self._schedule_flush()
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Gather outputs without waking the loop; the flush is scheduled on leaving."""
+        """Gather outputs without waking the loop; they are released, and the flush scheduled, on
+        leaving."""
         with self._lock:
             self._held = True
         try:
@@ -119,7 +136,9 @@ class LoopOutbox:
         finally:
             with self._lock:
                 self._held = False
-                wake = bool(self._items) and not self._flush_scheduled
+                self._released += self._gathered
+                self._gathered = []
+                wake = bool(self._released) and not self._flush_scheduled
                 self._flush_scheduled |= wake
             if wake:
                 self._schedule_flush()
@@ -130,7 +149,7 @@ class LoopOutbox:
 
     def _flush(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
+            items, self._released = self._released, []
             self._flush_scheduled = False
         for outputs, out in items:
             outputs.put_nowait(out)
@@ -374,6 +393,7 @@ class TorchEngine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+                await until_last(outputs, ABORT_WAIT_SECONDS)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -425,12 +445,25 @@ class TorchEngine:
             item = self._inbox.get(timeout=IDLE_POLL_SECONDS) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        with self._holding_outputs():
+            while True:
+                self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            self.stats_publisher.publish()
+
+    @contextlib.contextmanager
+    def _holding_outputs(self) -> Iterator[None]:
+        """Outputs posted inside gather in their event loops' outboxes and are released on leaving:
+        publish the stats that count them before leaving (see the module docstring)."""
+        with contextlib.ExitStack() as holding:
+            with self._outboxes_lock:
+                outboxes = list(self._outboxes.values())
+            for outbox in outboxes:
+                holding.enter_context(outbox.held())
+            yield
 
     def _handle(self, item: _Submit | _Abort | _Fail | _Wake | None) -> None:
         if item is None:
@@ -453,7 +486,6 @@ class TorchEngine:
                 self.planner.ended(item.request_id)
                 if request is not None:
                     live.end()
-            self.stats_publisher.publish()
 
     def _admit(self, item: _Submit) -> None:
         gen = item.request
@@ -473,26 +505,23 @@ class TorchEngine:
         self._live[gen.request_id] = LiveRequest(request, item.sink, output, prompt_logprobs)
 
     def _step(self) -> None:
-        started = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        for request, why in scheduled.failed:  # their LoRA adapter cannot run
-            self._fail(request.request_id, why, "request")
-        if not scheduled.chunks:
-            self.stats_publisher.publish()
-            return
-        self._mark_scheduled(scheduled)
-        plan = self._plan(scheduled)
-        result = self.runner.execute(plan)
-        for request_id, failure in result.failed.items():  # before their blocks are published
-            self._fail(request_id, failure.message, failure.cause, discard=failure.non_finite)
-        self.scheduler.step_done(scheduled)
-        with contextlib.ExitStack() as holding:
-            with self._outboxes_lock:
-                outboxes = list(self._outboxes.values())
-            for outbox in outboxes:
-                holding.enter_context(outbox.held())
+        """One step; its outputs (tokens, endings, failures) leave after the stats counting them."""
+        with self._holding_outputs():
+            started = time.perf_counter()
+            scheduled = self.scheduler.schedule()
+            for request, why in scheduled.failed:  # their LoRA adapter cannot run
+                self._fail(request.request_id, why, "request")
+            if not scheduled.chunks:
+                self.stats_publisher.publish()
+                return
+            self._mark_scheduled(scheduled)
+            plan = self._plan(scheduled)
+            result = self.runner.execute(plan)
+            for request_id, failure in result.failed.items():  # before their blocks are published
+                self._fail(request_id, failure.message, failure.cause, discard=failure.non_finite)
+            self.scheduler.step_done(scheduled)
             self._apply(plan, result)
-        self.stats_publisher.publish(plan, time.perf_counter() - started)
+            self.stats_publisher.publish(plan, time.perf_counter() - started)
 
     def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
         """The requests this step computes: a request's first such step ends its queue time."""
@@ -547,11 +576,12 @@ class TorchEngine:
     def _end_all(self, error: str | None = None) -> None:
         """End every request in flight: failed with `error`, else aborted (the server is stopping)."""
         now = time.monotonic()
-        for live in list(self._live.values()):
-            self.scheduler.abort(live.request.request_id)
-            live.end(error, now=now)
-        self._live.clear()
-        self.stats_publisher.publish()
+        with self._holding_outputs():
+            for live in list(self._live.values()):
+                self.scheduler.abort(live.request.request_id)
+                live.end(error, now=now)
+            self._live.clear()
+            self.stats_publisher.publish()
 
     # --- Start-up -----------------------------------------------------------------------------------
 

@@ -52,7 +52,9 @@ sampling each matcher accepts its row's token. The end-of-sequence tokens are al
 the grammar is complete, so a constrained answer ends with one (unless max_tokens cuts it short,
 which OpenAI reports as finish_reason "length"). A constraint with `start_after` (a reasoning
 model's `</think>`) leaves its row unmasked, and its matcher untouched, until those tokens have been
-generated: the thinking is free, the answer after it is constrained (GuidedRow).
+generated: the thinking is free, the answer after it is constrained. Where the prompt left it open
+whether the model thinks (`opens_with`: its `<think>`), the first token decides: the thinking's
+opening, or the grammar's first token, constrained from there (GuidedRow).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from service.engine.config import GuidedLimits
 from service.engine.protocol import GuidedDecoding
@@ -1018,7 +1020,9 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, guided: GuidedDecoding) -> GuidedRow:
-        return GuidedRow(self._xgr.GrammarMatcher(self.compile(guided)), guided.start_after)
+        return GuidedRow(
+            self._xgr.GrammarMatcher(self.compile(guided)), guided.start_after, guided.opens_with
+        )
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -1043,36 +1047,87 @@ def _settle(job: _Job, outcome: object) -> None:
         job.loop.call_soon_threadsafe(settle)
 
 
+RowState = Literal["deciding", "opening", "thinking", "constrained"]
+
+
 class GuidedRow:
     """One request's position in its grammar.
 
-    With `start_after` (GuidedDecoding.start_after: a reasoning model's `</think>` ids) the grammar
-    waits: until those tokens have been generated, in a row, every token is allowed and the matcher
-    neither masks nor advances (the thinking is free text); from the token after them it constrains."""
+    Without `start_after` the grammar constrains from the first token. With it (a reasoning model's
+    `</think>` ids, GuidedDecoding.start_after) the answer may think first, freely:
 
-    def __init__(self, matcher: Any, start_after: tuple[int, ...] = ()) -> None:
+    - "deciding" (only with `opens_with`, the `<think>` ids, when the prompt left it open whether
+      the model thinks): the first token is one the grammar allows or the first of `opens_with`.
+      The latter, where the grammar would not take it, opens the thinking; any other token is the
+      grammar's, which constrains from it on (a model that does not think gets its constraint).
+    - "opening": the rest of `opens_with` is forced, one token a step.
+    - "thinking": every token is allowed and the matcher neither masks nor advances, until
+      `start_after` has been generated, in a row.
+    - "constrained": the grammar's mask, and its matcher advances.
+    """
+
+    def __init__(
+        self, matcher: Any, start_after: tuple[int, ...] = (), opens_with: tuple[int, ...] = ()
+    ) -> None:
         self.matcher = matcher
         self.start_after = start_after
-        self.waiting = bool(start_after)
-        self._recent: deque[int] = deque(maxlen=max(len(start_after), 1))  # the last tokens, while waiting
+        self.opens_with = opens_with
+        self.state: RowState = "constrained" if not start_after else "deciding" if opens_with else "thinking"
+        self._opened = 0  # tokens of opens_with generated ("opening")
+        self._grammar_takes_opening = False  # "deciding": whether the grammar allows opens_with[0]
+        self._recent: deque[int] = deque(maxlen=max(len(start_after), 1))  # the last tokens, thinking
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        if self.waiting:
+        if self.state == "thinking":
             bitmask[index].fill_(-1)  # every bit set: every token allowed
-            return
-        self.matcher.fill_next_token_bitmask(bitmask, index)
+        elif self.state == "opening":
+            _only(bitmask, index, self.opens_with[self._opened])
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+            if self.state == "deciding":
+                first = self.opens_with[0]
+                self._grammar_takes_opening = _allows(bitmask, index, first)
+                _allow(bitmask, index, first)
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar refuses it (the request must end)."""
-        if self.waiting:
+        if self.state == "deciding":
+            if token_id != self.opens_with[0] or self._grammar_takes_opening:
+                self.state = "constrained"
+                return bool(self.matcher.accept_token(token_id))
+            self.state, self._opened = "opening", 0
+        if self.state == "opening":
+            if token_id != self.opens_with[self._opened]:
+                return False
+            self._opened += 1
+            if self._opened == len(self.opens_with):
+                self.state = "thinking"
+            return True
+        if self.state == "thinking":
             self._recent.append(token_id)
-            self.waiting = tuple(self._recent) != self.start_after
+            if tuple(self._recent) == self.start_after:
+                self.state = "constrained"
             return True
         return bool(self.matcher.accept_token(token_id))
 
     @property
     def finished(self) -> bool:
-        return not self.waiting and bool(self.matcher.is_terminated())
+        return self.state == "constrained" and bool(self.matcher.is_terminated())
+
+
+def _allows(bitmask: torch.Tensor, index: int, token_id: int) -> bool:
+    """Whether row `index` of a token bitmask (int32 words, bit t % 32 of word t // 32) allows it."""
+    return bool((int(bitmask[index, token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+def _allow(bitmask: torch.Tensor, index: int, token_id: int) -> None:
+    word = int(bitmask[index, token_id >> 5]) | (1 << (token_id & 31))
+    bitmask[index, token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word  # as int32
+
+
+def _only(bitmask: torch.Tensor, index: int, token_id: int) -> None:
+    bitmask[index].zero_()
+    _allow(bitmask, index, token_id)
 
 
 _NAMES = {

@@ -178,6 +178,7 @@ def build_engine(
         ),
         max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
         max_num_seqs=config.scheduler.max_num_seqs,
+        activation_dtype=str(dtype).removeprefix("torch."),
         paths=loaded.paths,  # the engine adds its decode path's
     )
     return TorchEngine(

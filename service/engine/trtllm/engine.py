@@ -203,7 +203,8 @@ class TrtllmEngine:
                 "structured output (response_format, structured_outputs, guided_*, or a required or named "
                 "tool_choice) on a reasoning model is not served by the tensorrt_llm engine: its grammar "
                 "would constrain the thinking as well as the answer (NIM_REASONING_PARSER is in effect); "
-                "send no constraint, or serve with the torch engine"
+                'send no constraint, turn the thinking off (chat_template_kwargs: {"enable_thinking": '
+                "false}), or serve with the torch engine"
             )
         why = refusal(request.sampling, self.sampler)
         if why is not None:
