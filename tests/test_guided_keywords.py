@@ -10,7 +10,6 @@ those some text does.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import enum
 import json
@@ -21,13 +20,9 @@ import jsonschema
 import pydantic
 import pytest
 
+from service.engine.guided.language import empty_language
+from service.engine.guided.specs import check_spec, unenforced_keyword
 from service.engine.protocol import GuidedDecoding
-from service.engine.torch.guided import (
-    _Slots,
-    check_spec,
-    empty_language,
-    unenforced_keyword,
-)
 
 xgrammar = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -231,21 +226,3 @@ def test_a_grammar_in_a_form_it_does_not_read_is_given_the_benefit_of_the_doubt(
             return '{"something": "else"}'
 
     assert empty_language(Opaque()) is None
-
-
-def test_slots_bound_holders_and_a_cancelled_wait_passes_its_turn_on() -> None:
-    async def scenario() -> None:
-        slots = _Slots(1)
-        await slots.acquire()
-        first = asyncio.ensure_future(slots.acquire())
-        second = asyncio.ensure_future(slots.acquire())
-        await asyncio.sleep(0)
-        assert not first.done() and not second.done()
-        first.cancel()  # its client left while it waited
-        await asyncio.sleep(0)
-        slots.release()
-        await asyncio.wait_for(second, 1)  # the slot went to the next in line
-        slots.release()
-        await asyncio.wait_for(slots.acquire(), 1)  # and came back
-
-    asyncio.run(scenario())

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 import pytest
 
 from service.engine.config import GuidedLimits
+from service.engine.guided.cache import GrammarCache as _GrammarCache
+from service.engine.guided.compiler import GrammarCompiler
+from service.engine.guided.specs import GrammarError
 from service.engine.protocol import GuidedDecoding
-from service.engine.torch.guided import GrammarCompiler, GrammarError, _GrammarCache
 from tests.conftest import process_alive
 
 pytest.importorskip("xgrammar")
@@ -121,3 +123,22 @@ def test_the_cache_keeps_to_its_budget_but_not_past_live_requests() -> None:
     del first, second
     gc.collect()  # their requests are over: their grammars may go
     assert cache.total <= 100 and cache.get(specs[1]) == "g1"
+
+
+def test_a_caller_without_an_event_loop_submits_and_cancels(compiler: GrammarCompiler) -> None:
+    """The engine process has no event loop: it submits a job and waits on (or cancels) its future."""
+    job = compiler.submit(GuidedDecoding("regex", f"[p-r]{{{time.monotonic_ns() % 997}}}"))
+    assert job is not None
+    assert job.future.result(timeout=60) is None
+    assert compiler.submit(job.guided) is None  # compiled already: nothing to wait for
+    slow = compiler.submit(_slow("s"))
+    waiting = compiler.submit(GuidedDecoding("regex", "[s-u]+"))
+    assert slow is not None and waiting is not None
+    waiting.cancel()  # skipped when its turn comes
+    assert waiting.future.done()
+    slow.cancel()  # its worker is killed
+    assert slow.future.result(timeout=10) is None
+    with pytest.raises(GrammarError, match="invalid regular expression"):
+        refused = compiler.submit(GuidedDecoding("regex", "(unclosed"))
+        assert refused is not None
+        refused.future.result(timeout=60)

@@ -555,7 +555,7 @@ class _Sequence:
     def fill_next_token_bitmask(self, bitmask: Any, index: int) -> None:
         bitmask[index].zero_()
         if self.at < len(self.tokens):
-            from service.engine.torch.guided import _allow
+            from service.engine.guided.row import allow as _allow
 
             _allow(bitmask, index, self.tokens[self.at])
 
@@ -580,7 +580,7 @@ def test_the_first_token_decides_whether_a_constrained_answer_thinks() -> None:
     """opens_with (<think> as tokens 40, 41) and start_after (</think>: 42): the first token is the
     grammar's or the opening's; the opening is then forced, the thinking free until </think>, and
     the grammar constrains after it. Any other first token is the grammar's from the start."""
-    from service.engine.torch.guided import GuidedRow
+    from service.engine.guided.row import GuidedRow
 
     row = GuidedRow(_Sequence([7, 8]), start_after=(42,), opens_with=(40, 41))
     assert _allowed(row) == {7, 40}

@@ -196,7 +196,7 @@ def test_json_object_mode_admits_objects_only(text: str, accepted: bool) -> None
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string
 
-    from service.engine.torch.guided import JSON_OBJECT_SCHEMA
+    from service.engine.guided.specs import JSON_OBJECT_SCHEMA
 
     grammar = xgrammar.Grammar.from_json_schema(JSON_OBJECT_SCHEMA)
     assert _is_grammar_accept_string(grammar, text) is accepted

@@ -166,9 +166,16 @@ class Child:
         return self.process.returncode
 
     def kill(self) -> None:
-        """SIGKILL at once (from any thread); `stop` or `wait` reaps it."""
+        """SIGKILL at once (from any thread); `stop`, `reap` or `wait` reaps it."""
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
+
+    def reap(self) -> int:
+        """SIGKILL (if it still runs), wait for it, close its socket; its exit code."""
+        self.kill()
+        code = self.process.wait()
+        self.close()
+        return code
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
