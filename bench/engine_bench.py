@@ -73,15 +73,15 @@ class DenseAttention:
 
 
 def bare_decode(engine, batch: int, input_len: int, output_len: int) -> float:
-    model, config = engine.model, engine.model_config
-    device = engine.config.device
+    model, config = engine.core.model, engine.core.model_config
+    device = engine.core.config.device
     cache = DenseAttention(
         config.num_layers,
         batch,
         config.num_kv_heads,
         config.head_dim,
         input_len + output_len,
-        engine.config.dtype,
+        engine.core.config.dtype,
         device,
     )
     rng = random.Random(0)

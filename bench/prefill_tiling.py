@@ -76,7 +76,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name in seconds:
             use(name == "tiled")
-            engine.pool.reset_cache()
+            engine.core.pool.reset_cache()
             started = time.perf_counter()
             asyncio.run(prefill(engine, prompt, f"{name}-{round_}"))
             seconds[name].append(time.perf_counter() - started)

@@ -78,13 +78,13 @@ class PhaseTimer:
 
 
 def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict[str, float]:
-    device = engine.config.device
+    device = engine.core.config.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     step = PhaseTimer(engine, "_step")
-    forward = PhaseTimer(engine.runner, "forward", sync)
+    forward = PhaseTimer(engine.core.runner, "forward", sync)
     timers = [step, forward]
-    if engine.runner.decode_graphs is not None:
-        timers.append(PhaseTimer(engine.runner.decode_graphs, "run", sync, forward.times))
+    if engine.core.runner.decode_graphs is not None:
+        timers.append(PhaseTimer(engine.core.runner.decode_graphs, "run", sync, forward.times))
     rng = random.Random(batch)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(batch)]
     total = args.warmup_steps + args.steps + args.profile_steps + 8
@@ -254,8 +254,8 @@ def main() -> None:
         json.dumps(
             {
                 "command": " ".join(sys.argv),
-                "device": str(engine.config.device),
-                "dtype": str(engine.config.dtype),
+                "device": str(engine.core.config.device),
+                "dtype": str(engine.core.config.dtype),
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "ready_s": ready_s,

@@ -143,7 +143,7 @@ def cpu_engine() -> Iterator[TorchEngine]:
 
 
 def test_cpu_engine_keeps_its_limits(cpu_engine: TorchEngine) -> None:
-    config = cpu_engine.scheduler.config
+    config = cpu_engine.core.scheduler.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 1024)
     assert cpu_engine.info.max_num_seqs == 64  # NIM's num_request_max
 
@@ -280,10 +280,10 @@ def test_profile_plan_layout() -> None:
 def test_profile_steps_run_on_the_real_model(cpu_engine: TorchEngine) -> None:
     """The shapes the CUDA probe measures are steps the model runner accepts over a one-block
     cache: logits for each sampled sequence, finite."""
-    pool = KVPool(cpu_engine.config.kv_spec, 1, torch.device("cpu"))
+    pool = KVPool(cpu_engine.core.config.kv_spec, 1, torch.device("cpu"))
     for shape in (largest_step(96, 4, 40), decode_step(3, 40), StepShape((1, 1, 24), (40, 17, 24))):
-        logits = run_step(cpu_engine.model, pool, torch.device("cpu"), False, shape)
-        assert logits.shape == (len(shape.query_lens), cpu_engine.model_config.vocab_size)
+        logits = run_step(cpu_engine.core.model, pool, torch.device("cpu"), False, shape)
+        assert logits.shape == (len(shape.query_lens), cpu_engine.core.model_config.vocab_size)
         assert torch.isfinite(logits).all()
 
 

@@ -108,7 +108,7 @@ def test_the_engine_decodes_the_same_through_the_kernel() -> None:
     engine = build_engine(config_for(settings))
 
     async def generate(kernel: bool) -> list[list[int]]:
-        engine.runner.decode_kernel = kernel
+        engine.core.runner.decode_kernel = kernel
         prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "One, two,")]
         params = SamplingParams(max_tokens=6, temperature=0.0)
 
@@ -136,29 +136,28 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
     from service.config import load_settings
     from service.engine.protocol import GenerationRequest, SamplingParams
     from service.engine.torch.cuda_graphs import CudaGraphDecoder
-    from service.engine.torch.engine import _Submit
-    from service.engine.torch.loading import build_engine
+    from service.engine.torch.loading import build_core
     from service.serving import config_for
 
     settings = load_settings(num_threads=2, kv_cache_max_tokens=2048, max_model_len=256, dtype="float32")
-    engine = build_engine(config_for(settings))
-    engine.runner.decode_kernel = True  # as on CUDA, where the graphs' attention is the kernel
-    decoder = CudaGraphDecoder(engine.model, engine.kv_pool, 8, 256, engine.config.device)
-    prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "One, two,", "Hi")]
+    core = build_core(config_for(settings))  # driven by hand: add, step, then plan a step
+    core.runner.decode_kernel = True  # as on CUDA, where the graphs' attention is the kernel
+    decoder = CudaGraphDecoder(core.model, core.kv_pool, 8, 256, core.config.device)
+    prompts = [core.tokenizer.encode(text) for text in ("The capital of France is", "One, two,", "Hi")]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine._admit(_Submit(GenerationRequest(f"g{i}", prompt, params), lambda out: None))
+        assert core.add_request(GenerationRequest(f"g{i}", prompt, params)) == []
     with torch.inference_mode():
-        engine._step()  # prefill all three
-        scheduled = engine.scheduler.schedule()
-        plan = engine._plan(scheduled)
+        assert len(core.step()) == 3  # prefill all three: each its first token
+        scheduled = core.scheduler.schedule()
+        plan = core.planner.plan(scheduled)
         assert decoder.fits(plan) and plan.num_sequences == 3
-        scratch = engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block].clone()
-        eager, _ = engine.runner.forward(plan)
+        scratch = core.kv_pool.data[0][:, :, core.kv_pool.scratch_block].clone()
+        eager, _ = core.runner.forward(plan)
         bucket = decoder.stage(plan)
         assert bucket == 4  # one padding row
         replayed = decoder.forward(bucket)[: plan.num_sequences]
     assert torch.allclose(replayed, eager, atol=1e-4, rtol=1e-4)
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
     # The padding row wrote where nothing else lives.
-    assert not torch.equal(engine.kv_pool.data[0][:, :, engine.kv_pool.scratch_block], scratch)
+    assert not torch.equal(core.kv_pool.data[0][:, :, core.kv_pool.scratch_block], scratch)

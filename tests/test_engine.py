@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import pytest
 
 from service.config import load_settings
+from service.engine import streams as streams_module
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
-from service.engine.torch.engine import LoopOutbox, TorchEngine
+from service.engine.streams import Stream, Streams
+from service.engine.torch.engine import TorchEngine
 from service.engine.torch.engine_stats import StatsPublisher
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
@@ -77,8 +79,8 @@ def wait_idle(engine: TorchEngine, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.stats()  # published last in a step: idle here means that step is counted
-        idle = not (stats.num_running or stats.num_waiting or engine.scheduler.has_work())
-        if idle and engine.pool.num_free == engine.pool.num_blocks:
+        idle = not (stats.num_running or stats.num_waiting or engine.core.scheduler.has_work())
+        if idle and engine.core.pool.num_free == engine.core.pool.num_blocks:
             return
         time.sleep(0.01)
     raise AssertionError(f"engine not idle: {engine.stats()}")
@@ -97,70 +99,48 @@ def test_greedy_alone_equals_greedy_in_a_mixed_batch_of_32(engine: TorchEngine) 
 
 
 class _RecordingLoop:
-    """Stands in for an event loop: records what the engine thread asks it to run."""
+    """Stands in for an event loop: records what the engine's thread asks it to run."""
 
     def __init__(self) -> None:
         self.calls: list[object] = []
 
-    def call_soon_threadsafe(self, callback: object) -> None:
-        self.calls.append(callback)
+    def call_soon_threadsafe(self, callback: object, *args: object) -> None:
+        self.calls.append((callback, args))
 
 
-def test_outbox_wakes_the_loop_once_per_batch_and_never_while_held() -> None:
-    loop = _RecordingLoop()
-    outbox = LoopOutbox(loop)  # type: ignore[arg-type]
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    out = RequestOutput("r", "x", [1], 3, 1, False)
-    outbox.put(queue, out)
-    outbox.put(queue, out)
-    assert len(loop.calls) == 1  # the second joins the scheduled flush
-    loop.calls.pop()()  # the loop runs the flush
-    assert queue.qsize() == 2
-    with outbox.held():
-        for _ in range(64):
-            outbox.put(queue, out)
-        assert loop.calls == []  # a step's outputs gather; the loop sleeps
-    assert len(loop.calls) == 1  # one wake-up when the step lets go
-    loop.calls.pop()()
-    assert queue.qsize() == 66
-    with outbox.held():
-        pass
-    assert loop.calls == []  # nothing gathered: nothing to wake for
+def test_a_round_of_outputs_wakes_each_loop_once() -> None:
+    """Streams.deliver: the outputs of one round go to their queues with one wake-up per event
+    loop, and a finished output closes its stream."""
+    first, second = _RecordingLoop(), _RecordingLoop()
+    streams = Streams()
+    queues = {}
+    for rid, loop in (("a", first), ("b", first), ("c", second)):
+        queues[rid] = asyncio.Queue()
+        streams._streams[rid] = Stream(loop, queues[rid], 3)  # type: ignore[arg-type]
+    outs = [RequestOutput(rid, "x", [1], 3, 1, rid == "b") for rid in ("a", "b", "c")]
+    streams.deliver(outs)
+    assert len(first.calls) == 1 and len(second.calls) == 1
+    for loop in (first, second):
+        callback, args = loop.calls.pop()
+        callback(*args)  # the loop runs it
+    assert [q.qsize() for q in queues.values()] == [1, 1, 1]
+    streams.deliver(outs)  # "b" has finished: nothing more reaches it
+    assert [q.qsize() for q in queues.values()] == [1, 1, 1] and len(first.calls) == 1
 
 
-def test_a_flush_scheduled_before_a_hold_takes_nothing_the_hold_gathers() -> None:
-    """What a step gathers goes out only when the step lets go (after its stats are published),
-    even when the loop runs a flush that an earlier output scheduled while the step still holds."""
-    loop = _RecordingLoop()
-    outbox = LoopOutbox(loop)  # type: ignore[arg-type]
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    out = RequestOutput("r", "x", [1], 3, 1, False)
-    outbox.put(queue, out)  # released: a flush is scheduled
-    with outbox.held():
-        outbox.put(queue, out)
-        loop.calls.pop()()  # the loop runs that flush while the engine holds the outbox
-        assert queue.qsize() == 1
-    assert queue.qsize() == 1 and len(loop.calls) == 1  # released on leaving: one more flush
-    loop.calls.pop()()
-    assert queue.qsize() == 2
+def test_a_step_wakes_the_event_loop_once(engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: a decode step of six requests hands its six outputs over in one wake-up."""
+    batches: list[int] = []
+    original = streams_module._wake_loops
 
+    def wake(by_loop: dict) -> None:  # type: ignore[type-arg]
+        batches.extend(len(items) for items in by_loop.values())
+        original(by_loop)
 
-def test_a_step_posts_its_outputs_while_holding_the_outbox(
-    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The wiring: every output of a decode step is put while the engine holds the outbox, so
-    the loop wakes once per step, after the step's last output."""
-    held: list[bool] = []
-    original = LoopOutbox.put
-
-    def put(self: LoopOutbox, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> None:
-        held.append(self._held)
-        original(self, queue, out)
-
-    monkeypatch.setattr(LoopOutbox, "put", put)
+    monkeypatch.setattr(streams_module, "_wake_loops", wake)
     prompts = [prompt_of(engine, 5 + 3 * i, seed=500 + i) for i in range(6)]
     run_all(engine, [request(f"h{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts)])
-    assert len(held) == 6 * 8 and all(held)
+    assert sum(batches) == 6 * 8 and max(batches) == 6 and len(batches) < 6 * 8
     wait_idle(engine)
 
 
@@ -183,7 +163,7 @@ def test_seeded_sampling_reproduces_whatever_prefix_came_from_the_cache(engine: 
     """The same seeded request with 0, 1 and 2 blocks of its prompt cached, alone and in a mixed
     batch: the same tokens and bitwise the same logprobs (the attention's query tiling used to
     depend on how many prompt tokens a chunk computed, which changed a sample now and then)."""
-    block = engine.config.kv_spec.block_size
+    block = engine.core.config.kv_spec.block_size
     seeded = {"temperature": 1.0, "seed": 1234, "max_tokens": 20, "logprobs": 3, "ignore_eos": True}
 
     def signature(result: Result) -> list[tuple[int, float]]:
@@ -198,7 +178,7 @@ def test_seeded_sampling_reproduces_whatever_prefix_came_from_the_cache(engine: 
         assert 2 * block < len(prompt) <= 3 * block
         runs = {}
         for cached_blocks in (0, 1, 2):
-            engine.pool.reset_cache()
+            engine.core.pool.reset_cache()
             if cached_blocks:
                 primer = [*prompt[: cached_blocks * block], *prompt_of(engine, 8, seed=6000 + trial)]
                 run_all(engine, [request("primer", primer, max_tokens=1)])
@@ -217,7 +197,7 @@ def test_prefix_reuse_reports_cached_tokens_and_keeps_outputs(engine: TorchEngin
     first = run_all(engine, [request("p1", [*system, *prompt_of(engine, 5, 1)])])["p1"]
     second = run_all(engine, [request("p2", [*system, *prompt_of(engine, 5, 1)])])["p2"]
     assert first.outputs[-1].num_cached_tokens == 0
-    block = engine.config.kv_spec.block_size
+    block = engine.core.config.kv_spec.block_size
     assert second.outputs[-1].num_cached_tokens >= (len(system) // block) * block - block
     assert second.token_ids == first.token_ids
     wait_idle(engine)
@@ -247,7 +227,7 @@ def test_preemption_recomputes_and_keeps_greedy_outputs(engine: TorchEngine) -> 
         got = run_all(
             small, [request(f"small{i}", p, max_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
         )
-        assert small.scheduler.num_preemptions > 0
+        assert small.core.scheduler.num_preemptions > 0
         for i in range(len(prompts)):
             assert got[f"small{i}"].token_ids == want[f"big{i}"].token_ids, i
         wait_idle(small)
@@ -353,7 +333,7 @@ def test_engine_failure_fails_requests_readiness_and_reports() -> None:
     def broken(plan):
         raise RuntimeError("simulated device fault")
 
-    dying.runner.execute = broken  # type: ignore[method-assign]
+    dying.core.runner.execute = broken  # type: ignore[method-assign]
     try:
         result = run_all(dying, [request("doomed", prompt_of(dying, 5, 1))])["doomed"]
         assert result.finish_reason is None  # an engine error is not a normal-looking ending
@@ -371,7 +351,7 @@ def test_n_choices_admitted_together_compute_their_prompt_once(engine: TorchEngi
     """The choices of an n > 1 request arrive together: the prompt is computed once, the others
     wait a step and take its blocks from the prefix cache (only the partial last block is theirs)."""
     prompt = prompt_of(engine, 400, seed=4242)  # no other test's prompt starts like this
-    block = engine.config.kv_spec.block_size
+    block = engine.core.config.kv_spec.block_size
     before = engine.stats()
     n, max_tokens = 4, 3
     results = run_all(engine, [request(f"n{i}", prompt, max_tokens=max_tokens) for i in range(n)])

@@ -26,6 +26,7 @@ import pytest
 
 from service.config import load_settings
 from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.guided.specs import xgrammar_available
 from service.engine.process import ProcessEngine, load_in_process, wrap_in_process
 from service.engine.protocol import (
     Engine,
@@ -36,7 +37,6 @@ from service.engine.protocol import (
     RequestRefusedError,
     SamplingParams,
 )
-from service.engine.torch.guided import xgrammar_available
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
 from service.text.tokenizer import Tokenizer
@@ -82,7 +82,7 @@ def engine() -> Iterator[ProcessEngine]:
     engine = start_process_engine()
     yield engine
     asyncio.run(engine.stop())
-    assert engine.process.exitcode == 0
+    assert engine.child.exit_code == 0
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +167,13 @@ def test_outputs_stream_as_deltas_and_end_once(engine: ProcessEngine, tokenizer:
 
 def test_a_step_of_many_requests_travels_in_one_message(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
     batches: list[int] = []
-    deliver = engine._deliver
+    deliver = engine._streams.deliver
 
     def counting(outputs: list[RequestOutput]) -> None:
         batches.append(len(outputs))
         deliver(outputs)
 
-    engine._deliver = counting  # type: ignore[method-assign]
+    engine._streams.deliver = counting  # type: ignore[method-assign]
     try:
         requests = [
             request(f"b{i}", tokenizer.encode(PROMPTS[i % 4]), max_tokens=8, ignore_eos=True)
@@ -181,7 +181,7 @@ def test_a_step_of_many_requests_travels_in_one_message(engine: ProcessEngine, t
         ]
         run_all(engine, requests)
     finally:
-        del engine._deliver
+        del engine._streams.deliver
     assert sum(batches) >= len(requests) * 8  # every token arrived
     assert max(batches) == len(requests)  # a decode step of all eight arrives as one message
     assert len(batches) < sum(batches) / 4
@@ -278,7 +278,7 @@ def test_a_refusal_at_load_is_raised_here_and_leaves_no_process() -> None:
 def test_killing_the_engine_process_fails_requests_and_readiness() -> None:
     fatal: list[BaseException] = []
     engine = start_process_engine(fatal, kv_cache_max_tokens=4096)
-    pid = engine.process.pid
+    pid = engine.child.pid
     assert pid is not None
     below = descendants(pid) | {pid}
     prompt = [1, 2, 3, 4, 5]
@@ -306,7 +306,7 @@ def test_killing_the_engine_process_fails_requests_and_readiness() -> None:
 
         with pytest.raises(EngineDeadError, match="SIGKILL"):
             asyncio.run(late())
-        assert engine.process.exitcode == -signal.SIGKILL
+        assert engine.child.exit_code == -signal.SIGKILL
         wait_for(lambda: not any(process_alive(p) for p in below), 10)
     finally:
         asyncio.run(engine.stop())  # after a death: returns at once
@@ -321,7 +321,7 @@ from service.text.tokenizer import Tokenizer
 
 if __name__ == "__main__":
     loaded = load_in_process(config_for(load_settings(**{settings!r})))
-    print(loaded.engine.process.pid, flush=True)
+    print(loaded.engine.child.pid, flush=True)
     time.sleep(600)
 """
 

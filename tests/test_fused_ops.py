@@ -108,8 +108,8 @@ def test_the_model_computes_the_same_through_the_fused_kernels(monkeypatch: pyte
 
     config = config_for(load_settings(num_threads=2, max_model_len=256, dtype="float32"))
     engine = build_engine(config)
-    model = engine.model
-    device = engine.config.device
+    model = engine.core.model
+    device = engine.core.config.device
     model_config, weights = load_gguf(config.checkpoint, config.precision)
     fused_model = build_model(model_config, weights, torch.float32, device, BuildOptions(fused_kernels=True))
     ids = torch.tensor(engine.tokenizer.encode("The quick brown fox jumps over"), device=device)

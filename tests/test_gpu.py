@@ -75,7 +75,7 @@ def test_graph_replayed_decode_equals_eager_decode(kv_cache_dtype: str) -> None:
     results = {}
     for eager in (False, True):
         engine = engine_for(device="cuda", enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
-        assert (engine.runner.decode_graphs is None) == eager
+        assert (engine.core.runner.decode_graphs is None) == eager
         template = engine.tokenizer.apply_chat_template
         prompts = [
             engine.tokenizer.encode(template([{"role": "user", "content": q}]), add_special_tokens=False)
@@ -97,11 +97,11 @@ def test_default_capacity_and_measured_kv_pool(
         engine = engine_for(device="cuda")
         props = torch.cuda.get_device_properties(0)
         expected = step_defaults("cuda", props.total_memory, props.name)
-        assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (
+        assert (engine.core.config.max_num_seqs, engine.core.config.max_num_batched_tokens) == (
             256,
             expected.max_num_batched_tokens,
         )
-        graphs = engine.runner.decode_graphs
+        graphs = engine.core.runner.decode_graphs
         assert graphs is not None and graphs.buckets[-1] == 256
         prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
         assert len(generate(engine, [prompt] * 3, 8)) == 3  # starts (captures graphs) and stops
@@ -118,8 +118,8 @@ def test_default_capacity_and_measured_kv_pool(
 
 def test_probe_peaks_grow_with_the_step() -> None:
     engine = engine_for(device="cuda", max_model_len=2048, max_num_batched_tokens=4096)
-    config = engine.config
-    probe = CudaStepProbe(engine.model, config.kv_spec, config.device, config.decode_kernel)
+    config = engine.core.config
+    probe = CudaStepProbe(engine.core.model, config.kv_spec, config.device, config.decode_kernel)
     small = probe.peak_bytes(largest_step(256, 256, 2048))
     large = probe.peak_bytes(largest_step(4096, 256, 2048))
     assert 0 < small < large
@@ -128,5 +128,5 @@ def test_probe_peaks_grow_with_the_step() -> None:
 def test_graphs_stop_at_the_token_budget() -> None:
     """A decode step never holds more sequences than the budget has tokens: no graph beyond it."""
     engine = engine_for(device="cuda", max_num_seqs=64, max_num_batched_tokens=40)
-    graphs = engine.runner.decode_graphs
+    graphs = engine.core.runner.decode_graphs
     assert graphs is not None and graphs.buckets[-1] == 40

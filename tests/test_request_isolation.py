@@ -103,7 +103,7 @@ def test_a_fault_in_one_row_ends_that_request_and_no_other(
     engine: TorchEngine, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     batch = _mixed_batch(engine)
-    engine.pool.reset_cache()
+    engine.core.pool.reset_cache()
     clean = run_all(engine, batch)
     wait_idle(engine)
 
@@ -123,7 +123,7 @@ def test_a_fault_in_one_row_ends_that_request_and_no_other(
 
         monkeypatch.setattr(OutputProcessor, "process", process)
 
-    engine.pool.reset_cache()
+    engine.core.pool.reset_cache()
     victim = _victim(engine)
     together = run_all(engine, [*batch[:3], victim, *batch[3:]])
     wait_idle(engine)  # nothing leaked: no running, no waiting, every block free
@@ -148,14 +148,14 @@ def test_a_grammar_dead_end_at_run_time_ends_that_request_alone(engine: TorchEng
     from service.engine.protocol import GuidedDecoding
 
     batch = _mixed_batch(engine)
-    engine.pool.reset_cache()
+    engine.core.pool.reset_cache()
     clean = run_all(engine, batch)
     dead_end = GenerationRequest(
         "dead-end",
         prompt_of(engine, 9, seed=7),
         SamplingParams(max_tokens=5, temperature=0.0, guided=GuidedDecoding("regex", "a[^\\s\\S]")),
     )
-    engine.pool.reset_cache()
+    engine.core.pool.reset_cache()
     together = run_all(engine, [*batch[:2], dead_end, *batch[2:]])
     wait_idle(engine)
     failed = together["dead-end"].outputs[-1]
@@ -235,7 +235,7 @@ def test_a_request_whose_keys_turned_nan_leaves_no_trace(
     from service.engine.torch import model_runner
 
     batch = _mixed_batch(engine)
-    engine.pool.reset_cache()
+    engine.core.pool.reset_cache()
     clean = run_all(engine, batch)
     wait_idle(engine)
     victim = _victim(engine)
@@ -245,8 +245,8 @@ def test_a_request_whose_keys_turned_nan_leaves_no_trace(
     def sample(logits: torch.Tensor, rows):
         for i, row in enumerate(rows):
             if row.params.seed == POISON_SEED:
-                poisoned_blocks[:] = [block.block_id for block in engine.kv.block_tables["victim"]]
-                for layer in engine.kv_pool.data:
+                poisoned_blocks[:] = [block.block_id for block in engine.core.kv.block_tables["victim"]]
+                for layer in engine.core.kv_pool.data:
                     layer[:, :, poisoned_blocks] = float("nan")
                 logits[i, 0] = float("nan")
         return original(logits, rows)
@@ -259,8 +259,8 @@ def test_a_request_whose_keys_turned_nan_leaves_no_trace(
     # Unpublished: the same prompt again finds nothing cached.
     again = run_all(engine, [GenerationRequest("again", victim.prompt_token_ids, victim.sampling)])["again"]
     assert again.outputs[-1].num_cached_tokens == 0 and not again.outputs[-1].error
-    assert all(bool(torch.isfinite(layer[:, :, poisoned_blocks]).all()) for layer in engine.kv_pool.data)
-    engine.pool.reset_cache()
+    assert all(bool(torch.isfinite(layer[:, :, poisoned_blocks]).all()) for layer in engine.core.kv_pool.data)
+    engine.core.pool.reset_cache()
     after = run_all(engine, batch)
     for request in batch:
         assert _same_answer(after[request.request_id], clean[request.request_id]), request.request_id

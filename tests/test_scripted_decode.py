@@ -59,7 +59,7 @@ class _BothPaths:
     every decode-only step, records whether they agree bitwise, and returns the scripted result."""
 
     def __init__(self, engine: TorchEngine) -> None:
-        runner = engine.runner
+        runner = engine.core.runner
         assert runner.scripted is not None
         self.runner, self.scripted = runner, runner.scripted
         self.equal: list[bool] = []
@@ -147,7 +147,7 @@ def engine_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
 def test_quantized_kv_cache_decodes_eagerly_and_says_why(engine_log: pytest.LogCaptureFixture) -> None:
     engine = _engine(kv_cache_dtype="int8")
     try:
-        assert engine.runner.scripted is None and engine.runner.path.kind == "eager"
+        assert engine.core.runner.scripted is None and engine.core.runner.path.kind == "eager"
         assert "CPU decode steps run eagerly: the int8 KV cache is dequantized" in engine_log.text
         assert engine_log.text.count("decode steps") == 1  # decided and logged once
         _generate(engine, [list(range(3, 20))], max_tokens=4)  # and serves
@@ -158,7 +158,7 @@ def test_quantized_kv_cache_decodes_eagerly_and_says_why(engine_log: pytest.LogC
 def test_enforce_eager_turns_it_off(engine_log: pytest.LogCaptureFixture) -> None:
     engine = _engine(enforce_eager=True)
     try:
-        assert engine.runner.scripted is None
+        assert engine.core.runner.scripted is None
         assert "TorchScript" not in engine_log.text
         assert "CPU decode steps run eagerly: NIM_ENFORCE_EAGER=1" in engine_log.text
     finally:
@@ -176,9 +176,12 @@ def test_lora_decodes_eagerly_and_says_why(
         cache_path=str(tmp_path / "cache"),
     )
     try:
-        assert engine.runner.scripted is not None and engine.runner.path.kind == "scripted"
+        assert engine.core.runner.scripted is not None and engine.core.runner.path.kind == "scripted"
         assert "CPU decode steps run as one TorchScript call (compiled in" in engine_log.text
-        LoraSlots.attach(engine.model, num_slots=1, max_rank=4)
-        assert ScriptedDecoder.build(engine.model, engine.kv_pool) == "LoRA adapters wrap the projections"
+        LoraSlots.attach(engine.core.model, num_slots=1, max_rank=4)
+        assert (
+            ScriptedDecoder.build(engine.core.model, engine.core.kv_pool)
+            == "LoRA adapters wrap the projections"
+        )
     finally:
         asyncio.run(engine.stop())

@@ -30,14 +30,14 @@ def test_the_start_up_check_passes_for_the_models_shape(engine, cache_dtype: str
     from service.engine.torch.kv_pool import KVCacheSpec, KVPool
     from service.engine.torch.startup_checks import check_unified_attention
 
-    spec = engine.runner.pool.spec
-    device = engine.runner.device  # the CPU in Triton's interpreter, or a GPU under make test-gpu
+    spec = engine.core.runner.pool.spec
+    device = engine.core.runner.device  # the CPU in Triton's interpreter, or a GPU under make test-gpu
     pool = KVPool(
         KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, spec.block_size, cache_dtype, spec.model_dtype),  # type: ignore[arg-type]
         4,
         device,
     )
-    assert check_unified_attention(engine.runner.model, pool, device, 64) is None
+    assert check_unified_attention(engine.core.runner.model, pool, device, 64) is None
 
 
 def test_the_engine_generates_the_same_through_the_unified_kernel(
@@ -62,7 +62,7 @@ def test_the_engine_generates_the_same_through_the_unified_kernel(
     params = SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1)
 
     async def generate(unified: bool) -> list[tuple[list[int], list[float]]]:
-        engine.runner.unified_steps = unified
+        engine.core.runner.unified_steps = unified
 
         async def one(i: int) -> tuple[list[int], list[float]]:
             await asyncio.sleep(0.05 * i)  # later prompts arrive while earlier ones decode: mixed steps
@@ -83,7 +83,7 @@ def test_the_engine_generates_the_same_through_the_unified_kernel(
             await engine.stop()
 
     gathered, unified = asyncio.run(run())
-    layers = engine.runner.model.config.num_layers
+    layers = engine.core.runner.model.config.num_layers
     assert launches and len(launches) % layers == 0  # every layer of the steps with prefill chunks, no other
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(unified, gathered, strict=True):
         assert tokens == want_tokens

@@ -1,64 +1,52 @@
 """The engine process's side of service.engine.process, and the messages the two sides exchange.
 
-The engine process runs `load_engine(config)` and serves that engine through the `Engine`
-protocol: a reader thread hands the API process's messages to its event loop, a task per request
-forwards the engine's outputs, and the outputs of one step leave in one Update with the stats. It
-exits when told to stop, when its step loop dies (after forwarding the requests' last outputs and
-a Died), and at once when the API process is gone (its pipe closes, or its parent changes).
+The engine process (a child process: service.engine.child) loads the engine's core
+(`registry.load_core`) and drives it on its main thread with service.engine.core.drive: no event
+loop, no task per request. A reader thread turns the API process's messages into the core's
+commands (a queue); constraint checks become compile jobs whose results are sent when they
+settle, off the step's path. Each round's outputs leave in one Update with the stats that count
+them (published first) and the adapter names where they changed; when nothing flows, changed stats
+and adapter names still leave on a short tick. It exits when told to stop, when its core dies
+(after sending the requests' last outputs and a Died), and at once when the API process is gone.
 
 Messages are the protocol's own dataclasses (GenerationRequest, RequestOutput, EngineStats,
 EngineInfo) in the small frozen wrappers below, pickled over a private socket pair between the API
-process and the process it spawned; exceptions cross as themselves when they pickle (`portable`).
+process and this one; exceptions cross as themselves when they pickle (`portable`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
 import os
 import pickle
+import queue
 import sys
 import threading
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TypeVar
+from typing import NoReturn
 
 from service.engine.config import EngineConfig
+from service.engine.core import Abort, Command, EngineCore, Fail, PendingCompile, Stop, Submit, Wake, drive
+from service.engine.guided.specs import GrammarError
 from service.engine.protocol import (
-    Engine,
-    EngineDeadError,
     EngineInfo,
     EngineStats,
     GenerationRequest,
-    LoadedEngine,
     RequestOutput,
+    RequestRefusedError,
 )
-from service.engine.registry import load_engine
+from service.engine.registry import load_core
 from service.logs import configure_logging
-from service.util import on_new_thread, one_line
+from service.util import one_line
 
 log = logging.getLogger(__name__)
 
-STATS_TICK_S = 0.05  # how often the engine process sends stats or adapters that changed off-step
-PARENT_POLL_S = 1.0  # how often the engine process checks that the API process still runs
-DRAIN_S = 10.0  # how long the engine process waits for its requests' last outputs when ending
-K = TypeVar("K")
+TICK_S = 0.05  # how often an idle engine process sends stats or adapter names that changed
 
 
 # --- Messages: API process -> engine process (sent as a list, a batch at a time) -----------------
-
-
-@dataclass(frozen=True)
-class Submit:
-    request: GenerationRequest
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
 
 
 @dataclass(frozen=True)
@@ -74,11 +62,6 @@ class CancelCheck:
 
 @dataclass(frozen=True)
 class Start:
-    pass
-
-
-@dataclass(frozen=True)
-class Stop:
     pass
 
 
@@ -108,7 +91,7 @@ class Started:
 
 @dataclass(frozen=True)
 class Update:
-    """One step's outputs (any number of requests), with the stats and adapter names where they
+    """One round's outputs (any number of requests), with the stats and adapter names where they
     changed since the last Update (None: unchanged)."""
 
     outputs: list[RequestOutput]
@@ -124,7 +107,7 @@ class Checked:
 
 @dataclass(frozen=True)
 class Died:
-    """The step loop failed: `message` is the engine's `failure`, `error` what it raised."""
+    """The core failed: `message` is the engine's `failure`, `error` what it raised."""
 
     message: str
     error: BaseException
@@ -150,186 +133,165 @@ def portable(exc: BaseException) -> BaseException:
 
 @dataclass(frozen=True)
 class ChildSetup:
-    """What the engine process needs besides its pipe; pickled into the spawned process."""
+    """What the engine process needs besides its connection."""
 
     config: EngineConfig
     log_level: int
     jsonl_logs: bool
-    parent_pid: int
 
 
 # --- Engine process -----------------------------------------------------------------------------
 
 
-def engine_main(setup: ChildSetup, conn: Connection) -> None:
-    """The engine process's whole life (the spawned process's target)."""
-    # A session of its own: a terminal's ^C or a signal to the server's process group is the API
-    # process's to handle (it drains, then stops this one); this process ends when told to, or
-    # when the API process is gone.
-    with contextlib.suppress(OSError):
-        os.setsid()
+def engine_main(setup: ChildSetup, conn: Connection) -> int:
+    """The engine process's whole life (a child process's target): its exit code."""
     configure_logging(logging.getLevelName(setup.log_level), setup.jsonl_logs)
-    code = 1
-    try:
-        code = asyncio.run(_serve(setup, conn))
-    except BaseException:
-        log.exception("engine process failed")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no atexit or thread joins that could wait on a dead engine
+    return EngineProcess(conn).run(setup.config)
 
 
-def _forget(tasks: dict[K, asyncio.Task[None]], key: K, task: asyncio.Task[None]) -> None:
-    """A finished task leaves its table (unless another took its key meanwhile)."""
-    if tasks.get(key) is task:
-        del tasks[key]
+class EngineProcess:
+    """The core, the connection to the API process, and what is pending between them."""
 
-
-async def _serve(setup: ChildSetup, conn: Connection) -> int:
-    return await EngineCore(setup, conn).run()
-
-
-class EngineCore:
-    """The engine process's side: the engine, its event loop, and the pipe to the API process."""
-
-    def __init__(self, setup: ChildSetup, conn: Connection) -> None:
-        self.setup = setup
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.loop = asyncio.get_running_loop()
-        self.done: asyncio.Future[int] = self.loop.create_future()  # the exit code
-        self.loaded: asyncio.Future[LoadedEngine] = self.loop.create_future()
-        self.requests: dict[str, asyncio.Task[None]] = {}
-        self.checks: dict[int, asyncio.Task[None]] = {}
-        self.pending: list[RequestOutput] = []
-        self.flush_scheduled = False
+        # What arrived, a batch at a time: the API process's messages, or a helper's Wake or Fail;
+        # None: the API process is gone.
+        self.inbox: queue.SimpleQueue[Sequence[ToEngine | Wake | Fail] | None] = queue.SimpleQueue()
+        self.send_lock = threading.Lock()  # the main thread and settling compile jobs both send
+        self.checks: dict[int, PendingCompile] = {}
+        self.checks_lock = threading.Lock()
         self.sent_stats: EngineStats | None = None
         self.sent_adapters: tuple[str, ...] | None = None
-        self.send_lock = threading.Lock()
+        self.core: EngineCore | None = None
 
-    @property
-    def engine(self) -> Engine:
-        return self.loaded.result().engine
-
-    async def run(self) -> int:
-        threading.Thread(target=self._read, name="engine-core-reader", daemon=True).start()
-        config = self.setup.config
+    def run(self, config: EngineConfig) -> int:
+        threading.Thread(target=self._read, name="engine-process-reader", daemon=True).start()
         try:
-            loaded = await on_new_thread(load_engine, config, self._died, name="engine-load")
+            core = self.core = load_core(config)
         except Exception as exc:
             log.error("engine process: loading failed: %s", one_line(exc, with_type=True))
             self.send(Failed(portable(exc)))
             return 1
-        self.loaded.set_result(loaded)
         self.sent_adapters = self._adapter_names()
-        self.send(Loaded(loaded.info, self.sent_adapters))
-        return await self.done
+        self.send(Loaded(core.info, self.sent_adapters))
+        if not self._wait_for_start():
+            return 0
+        try:
+            core.start(lambda: self.inbox.put([Wake()]), lambda exc: self.inbox.put([Fail(exc)]))
+        except Exception as exc:
+            log.error("engine process: start failed: %s", one_line(exc, with_type=True))
+            self.send(Failed(portable(exc)))
+            core.shutdown()
+            return 1
+        self.sent_stats = core.stats()
+        self.send(Started(core.info))
+        try:
+            drive(core, self._commands, self._emit)
+        except BaseException as exc:  # the core must never die silently
+            log.exception("engine process: the engine core failed")
+            message, error = core.death(exc)
+            self._emit(core.end_all(f"engine failure: {message}"))
+            self.send(Died(message, portable(error)))
+            core.shutdown()
+            return 1
+        core.shutdown()
+        self.send(Stopped())
+        return 0
+
+    def _wait_for_start(self) -> bool:
+        """Wait for Start (True) or Stop (False); checks before the start are answered."""
+        while True:
+            batch = self.inbox.get()
+            if batch is None:
+                self._gone()
+            for message in batch:
+                if isinstance(message, Start):
+                    return True
+                if isinstance(message, Stop):
+                    self.send(Stopped())
+                    return False
+                if isinstance(message, Check | CancelCheck):
+                    self._check(message)
 
     # --- From the API process -------------------------------------------------------------------------
 
     def _read(self) -> None:
-        """The reader thread: messages to the event loop; the API process gone, this one goes."""
+        """The reader thread: every message batch into the inbox; the API process gone, this one goes."""
         while True:
             try:
-                if not self.conn.poll(PARENT_POLL_S):
-                    if os.getppid() != self.setup.parent_pid:
-                        raise EOFError
-                    continue
                 batch: list[ToEngine] = self.conn.recv()
             except (EOFError, OSError):
-                log.error("engine process: the API process is gone; exiting")
-                sys.stderr.flush()
-                os._exit(1)
-            self.loop.call_soon_threadsafe(self._handle, batch)
+                self.inbox.put(None)
+                return
+            self.inbox.put(batch)
 
-    def _handle(self, batch: list[ToEngine]) -> None:
-        for message in batch:
-            if isinstance(message, Submit):
-                request_id = message.request.request_id
-                task = self.loop.create_task(self._forward(message.request))
-                self.requests[request_id] = task
-                task.add_done_callback(functools.partial(_forget, self.requests, request_id))
-            elif isinstance(message, Abort):
-                # After the request's task has taken its first step (call_soon keeps the order), so
-                # the engine has the request before its abort.
-                if message.request_id in self.requests:
-                    self.loop.call_soon(self.engine.abort, message.request_id)
-            elif isinstance(message, Check):
-                task = self.loop.create_task(self._check(message))
-                self.checks[message.call_id] = task
-                task.add_done_callback(functools.partial(_forget, self.checks, message.call_id))
-            elif isinstance(message, CancelCheck):
-                check = self.checks.get(message.call_id)
-                if check is not None:
-                    check.cancel()
-            elif isinstance(message, Start):
-                self.loop.create_task(self._start())
-            else:
-                self.loop.create_task(self._stop())
-
-    async def _forward(self, request: GenerationRequest) -> None:
-        stream = self.engine.generate(request)
+    def _commands(self, wait: bool) -> Sequence[Command]:
+        """What arrived since the last round, as the core's commands (checks are answered here)."""
+        commands: list[Command] = []
         try:
-            async for out in stream:
-                self.emit(out)
-        except Exception as exc:  # EngineDeadError: the engine died before it took the request
-            failure = one_line(exc) if isinstance(exc, EngineDeadError) else one_line(exc, with_type=True)
-            self.emit(
-                RequestOutput.last(
-                    request.request_id,
-                    len(request.prompt_token_ids),
-                    error=f"engine failure: {failure}",
-                    time=time.monotonic(),
-                )
-            )
-        finally:
-            await stream.aclose()
+            batch = self.inbox.get(timeout=TICK_S) if wait else self.inbox.get_nowait()
+            while True:
+                if batch is None:
+                    self._gone()
+                for message in batch:
+                    if isinstance(message, Check | CancelCheck):
+                        self._check(message)
+                    elif not isinstance(message, Start):
+                        commands.append(message)
+                batch = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if wait and not commands:
+            self._tick()
+        return commands
 
-    async def _check(self, message: Check) -> None:
-        try:
-            await self.engine.check(message.request)
-        except Exception as exc:
-            self.send(Checked(message.call_id, portable(exc)))
-        else:
-            self.send(Checked(message.call_id, None))
-
-    async def _start(self) -> None:
-        try:
-            await self.engine.start()
-        except Exception as exc:
-            log.error("engine process: start failed: %s", one_line(exc, with_type=True))
-            self.send(Failed(portable(exc)))
-            self._exit(1)
+    def _check(self, message: Check | CancelCheck) -> None:
+        assert self.core is not None
+        if isinstance(message, CancelCheck):
+            with self.checks_lock:
+                pending = self.checks.pop(message.call_id, None)
+            if pending is not None:
+                pending.cancel()
             return
-        self.send(Started(self.engine.info))
-        self.loop.create_task(self._tick())
+        call_id = message.call_id
+        try:
+            pending = self.core.prepare(message.request)
+        except RequestRefusedError as exc:
+            self.send(Checked(call_id, exc))
+            return
+        if pending is None:
+            self.send(Checked(call_id, None))
+            return
+        with self.checks_lock:
+            self.checks[call_id] = pending
 
-    async def _stop(self) -> None:
-        if self.loaded.done():
-            await self.engine.stop()  # what is in flight ends with an abort
-        await self._drain()
-        self.send(Stopped())
-        self._exit(0)
+        def settled(future: object) -> None:
+            with self.checks_lock:
+                if self.checks.pop(call_id, None) is None:
+                    return  # cancelled: the API process no longer waits
+            error = None if pending.future.cancelled() else pending.future.exception()
+            if isinstance(error, GrammarError):
+                error = RequestRefusedError(str(error))
+            self.send(Checked(call_id, None if error is None else portable(error)))
+
+        pending.future.add_done_callback(settled)
 
     # --- To the API process -------------------------------------------------------------------------
 
-    def emit(self, out: RequestOutput) -> None:
-        """Gather `out` into this step's Update. The engine wakes this loop once per step and every
-        request's task is woken before the first of them schedules the flush, so the flush (run
-        after them) sends the whole step in one message."""
-        self.pending.append(out)
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self.flush)
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        stats, adapters = self._changes()
+        self.send(Update(outputs, stats, adapters))
 
-    def flush(self) -> None:
-        self.flush_scheduled = False
-        outputs, self.pending = self.pending, []
-        self.send(Update(outputs, *self._changes()))
+    def _tick(self) -> None:
+        """Stats (and adapter names) that changed while no output flowed: a rescan, a wake."""
+        stats, adapters = self._changes()
+        if stats is not None or adapters is not None:
+            self.send(Update([], stats, adapters))
 
     def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None]:
         """The stats and adapter names, each where it changed since it was last sent (else None)."""
-        stats: EngineStats | None = self.engine.stats()
+        assert self.core is not None
+        stats: EngineStats | None = self.core.stats()
         if stats is self.sent_stats:
             stats = None
         else:
@@ -342,47 +304,17 @@ class EngineCore:
         return stats, adapters
 
     def _adapter_names(self) -> tuple[str, ...] | None:
-        catalog = self.loaded.result().adapters
+        catalog = self.core.adapters if self.core is not None else None
         return tuple(catalog.names()) if catalog is not None else None
-
-    async def _tick(self) -> None:
-        """Stats (and adapter names) that change while no output flows: after an abort, a rescan."""
-        while True:
-            await asyncio.sleep(STATS_TICK_S)
-            stats, adapters = self._changes()
-            if stats is not None or adapters is not None:
-                self.send(Update([], stats, adapters))
 
     def send(self, message: FromEngine) -> None:
         try:
             with self.send_lock:
                 self.conn.send(message)
         except (OSError, ValueError):
-            log.error("engine process: the API process is gone; exiting")
-            sys.stderr.flush()
-            os._exit(1)
+            self._gone()
 
-    # --- Death ---------------------------------------------------------------------------------------
-
-    def _died(self, exc: BaseException) -> None:
-        """The engine's on_fatal (from its own thread): its requests have been ended with the error;
-        forward their last outputs, report the death, exit."""
-        failure = self.loaded.result().engine.failure if self.loaded.done() else None
-        message = failure or one_line(exc, with_type=True)
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._die(message, portable(exc))))
-
-    async def _die(self, message: str, error: BaseException) -> None:
-        await self._drain()
-        self.send(Died(message, error))
-        self._exit(1)
-
-    async def _drain(self) -> None:
-        """Wait for every request's last output to be gathered, then send what is gathered."""
-        if self.requests:
-            await asyncio.wait(list(self.requests.values()), timeout=DRAIN_S)
-        if self.pending:
-            self.flush()
-
-    def _exit(self, code: int) -> None:
-        if not self.done.done():
-            self.done.set_result(code)
+    def _gone(self) -> NoReturn:
+        log.error("engine process: the API process is gone; exiting")
+        sys.stderr.flush()
+        os._exit(1)

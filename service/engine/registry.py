@@ -11,8 +11,10 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.core import EngineCore
 from service.engine.precision import TORCH_PRECISIONS, TRTLLM_PRECISIONS
 from service.engine.protocol import LoadedEngine
 
@@ -48,6 +50,9 @@ class EngineEntry:
     module: str  # imported on load; provides `load(config, on_fatal) -> LoadedEngine`
     support: EngineSupport
     needs: str | None = None  # the package that must be importable for it to run
+    # Its module also provides `load_core(config) -> EngineCore` (a synchronous core that a process
+    # of its own can drive: NIM_ENGINE_PROCESS); False: it runs only as loaded.
+    has_core: bool = False
 
 
 ENGINES: dict[str, EngineEntry] = {
@@ -56,6 +61,7 @@ ENGINES: dict[str, EngineEntry] = {
         "service.engine.torch.loading",
         EngineSupport(precisions=TORCH_PRECISIONS, max_tensor_parallel=8, lora=True),
         needs="torch",
+        has_core=True,
     ),
     "tensorrt_llm": EngineEntry(
         "tensorrt_llm",
@@ -96,6 +102,21 @@ def load_engine(config: EngineConfig, on_fatal: FatalCallback | None = None) -> 
     Raises EngineUnavailableError, or UnsupportedConfigError for a setting the engine cannot
     honour; both carry a one-line message for the start-up log.
     """
+    loaded: LoadedEngine = _module(config).load(config, on_fatal)
+    return loaded
+
+
+def load_core(config: EngineConfig) -> EngineCore:
+    """The engine's synchronous core, for a process that drives it itself (the engine process);
+    refused in one line for an engine that has none."""
+    if not ENGINES.get(config.engine, ENGINES["torch"]).has_core:
+        raise UnsupportedConfigError(f"the {config.engine} engine has no core a process of its own can drive")
+    core: EngineCore = _module(config).load_core(config)
+    return core
+
+
+def _module(config: EngineConfig) -> Any:
+    """The module of `config.engine`, once the engine is known to run here and take `config`."""
     state = availability(config.engine)
     if not state.available:
         raise EngineUnavailableError(f"engine {config.engine} cannot run here: {state.reason}")
@@ -107,6 +128,4 @@ def load_engine(config: EngineConfig, on_fatal: FatalCallback | None = None) -> 
     )
     if refusal is not None:
         raise UnsupportedConfigError(f"profile {config.profile_name}: the {config.engine} engine {refusal}")
-    module = importlib.import_module(ENGINES[config.engine].module)
-    loaded: LoadedEngine = module.load(config, on_fatal)
-    return loaded
+    return importlib.import_module(ENGINES[config.engine].module)

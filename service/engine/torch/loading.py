@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.guided.specs import xgrammar_available
 from service.engine.lora_store import LoraStore
 from service.engine.models.loader import (
     quantizes_at_load,
@@ -16,8 +17,8 @@ from service.engine.models.loader import (
 from service.engine.models.tensor_parallel import TPLayout
 from service.engine.precision import FLOAT_PRECISIONS
 from service.engine.protocol import EngineFeatures, EngineInfo, LoadedEngine
-from service.engine.torch.engine import TorchEngine, TorchEngineConfig
-from service.engine.torch.guided import xgrammar_available
+from service.engine.torch.core import TorchEngineConfig, TorchEngineCore
+from service.engine.torch.engine import TorchEngine
 from service.engine.torch.rank_loading import (
     PRECISION_NAMES,
     load_rank,
@@ -39,6 +40,18 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     """The registry's hook: load weights and tokenizer (blocking: call from a worker thread)."""
     engine = build_engine(config, on_fatal)
     return LoadedEngine(engine=engine, info=engine.info, tokenizer=engine.tokenizer, adapters=engine.adapters)
+
+
+def load_core(config: EngineConfig) -> TorchEngineCore:
+    """The registry's hook for the engine process, which drives the core itself."""
+    return build_core(config)
+
+
+def build_engine(
+    config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
+) -> TorchEngine:
+    """The core, served in this process (started by the caller: `await engine.start()`)."""
+    return TorchEngine(build_core(config), on_fatal)
 
 
 def check_guided(config: EngineConfig) -> None:
@@ -102,9 +115,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
 
 
-def build_engine(
-    config: EngineConfig, on_fatal: Callable[[BaseException], None] | None = None
-) -> TorchEngine:
+def build_core(config: EngineConfig) -> TorchEngineCore:
     device, dtype = resolve_device(config)
     config = resolve_step_limits(config, device)  # unset NIM_MAX_NUM_SEQS etc.: this device's defaults
     check_lora(config)
@@ -181,13 +192,12 @@ def build_engine(
         activation_dtype=str(dtype).removeprefix("torch."),
         paths=loaded.paths,  # the engine adds its decode path's
     )
-    return TorchEngine(
+    return TorchEngineCore(
         loaded.model,
         loaded.model_config,
         tokenizer,
         engine_config,
         info,
-        on_fatal=on_fatal,
         tp_group=group,
         adapters=adapters,
         lora_slots=loaded.lora,

@@ -19,11 +19,12 @@ from typing import Protocol
 
 import torch
 
+from service.engine.guided.compiler import GrammarCompiler
+from service.engine.guided.row import GuidedRow
 from service.engine.models.base import CausalLM
 from service.engine.protocol import ErrorCause, TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
 from service.engine.torch.decode_path import DecodeAttention, DecodePath
-from service.engine.torch.guided import GrammarCompiler, GuidedRow
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import (
