@@ -21,10 +21,10 @@ import openai
 import pytest
 
 from service.api import request_fields
+from service.api.chat.protocol import ChatCompletionRequest
+from service.api.completions.protocol import CompletionRequest
 from service.api.request_fields import FIELDS, Endpoint, RequestField, fields_for, lookup
 from service.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
     NVExt,
     SamplingFields,
     StreamOptions,

@@ -22,12 +22,16 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
-from service.api import openai_routes, system_routes
+from service.api import model_list, system_routes
+from service.api.chat import router as chat
+from service.api.chat.protocol import ChatCompletionChunk
+from service.api.completions import router as completions
+from service.api.completions.protocol import CompletionResponse
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
-from service.api.schemas import ChatCompletionChunk, CompletionResponse
 from service.api.security import APIKeyStore
 from service.api.state import ApiLimits, Ready, ServiceState
+from service.api.tokens import router as tokens
 from service.config import Settings
 from service.telemetry.metrics import Metrics
 from service.telemetry.tracing import configure_tracing
@@ -71,8 +75,9 @@ def create_app(
     app.state.service = state
     install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.include_router(openai_routes.router)
-    app.include_router(openai_routes.tokens_router)
+    # One package per endpoint: its router, its serving, its bodies (service.api.chat, ...).
+    for endpoint in (chat, completions, model_list, tokens):
+        app.include_router(endpoint.router)
     app.include_router(system_routes.router)
     app.include_router(system_routes.root_router)
     # Added innermost first: CORS answers preflights before authentication is asked for.

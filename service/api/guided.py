@@ -7,7 +7,7 @@ or not, the schema is enforced), vLLM's `structured_outputs` (`json`, `regex`, `
 constraint may be given, however many of these ways are used. Other options (a backend, a
 whitespace pattern, structural tags) are refused by service.api.request_fields before this module
 reads the request. Whether the spec is within the limits, can be enforced, can be satisfied and
-compiles is the engine's check (a 400 naming the problem; service/engine/torch/guided.py).
+compiles is the engine's check (a 400 naming the problem; service/engine/guided/).
 Schemas keep the client's property order: it is the order the answer's keys come in.
 """
 

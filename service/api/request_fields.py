@@ -52,7 +52,9 @@ Accepts = Callable[[Any, Mapping[str, Any]], bool]
 
 # Where fields are honoured (module paths, for the docs).
 GENERATION = "service.api.generation"
-ROUTES = "service.api.openai_routes"
+CHAT_SERVING = "service.api.chat.serving"
+COMPLETIONS_SERVING = "service.api.completions.serving"
+SERVING = f"{CHAT_SERVING}, {COMPLETIONS_SERVING}"
 GUIDED = "service.api.guided"
 TOOLS = "service.api.tools"
 LOGPROBS = "service.api.logprobs"
@@ -157,7 +159,7 @@ _NOT_STORED = "nothing is stored here (store: true is refused)"
 
 FIELDS: tuple[RequestField, ...] = (
     # --- OpenAI: both endpoints -----------------------------------------------------------------
-    honoured("model", BOTH, "OpenAI", ROUTES, "embedded", "the served model's name or a LoRA adapter's"),
+    honoured("model", BOTH, "OpenAI", SERVING, "embedded", "the served model's name or a LoRA adapter's"),
     honoured("frequency_penalty", BOTH, "OpenAI", GENERATION, 0.5),
     honoured("presence_penalty", BOTH, "OpenAI", GENERATION, 0.5),
     honoured("logit_bias", BOTH, "OpenAI", GENERATION, {"42": -100}),
@@ -167,11 +169,11 @@ FIELDS: tuple[RequestField, ...] = (
     honoured("n", BOTH, "OpenAI", GENERATION, 2),
     honoured("seed", BOTH, "OpenAI", GENERATION, 7),
     honoured("stop", BOTH, "OpenAI", GENERATION, ["\n\n"], "up to 4 strings"),
-    honoured("stream", BOTH, "OpenAI", ROUTES, True),
-    honoured("stream_options", BOTH, "OpenAI", ROUTES, {"include_usage": True}),
-    honoured("stream_options.include_usage", BOTH, "OpenAI", ROUTES, True),
-    honoured("stream_options.continuous_usage_stats", BOTH, "vLLM", ROUTES, True),
-    partly("stream_options.include_obfuscation", BOTH, "OpenAI", ROUTES, only(False), "`false`",
+    honoured("stream", BOTH, "OpenAI", SERVING, True),
+    honoured("stream_options", BOTH, "OpenAI", SERVING, {"include_usage": True}),
+    honoured("stream_options.include_usage", BOTH, "OpenAI", SERVING, True),
+    honoured("stream_options.continuous_usage_stats", BOTH, "vLLM", SERVING, True),
+    partly("stream_options.include_obfuscation", BOTH, "OpenAI", SERVING, only(False), "`false`",
            "stream chunks carry no obfuscation padding here", False, True),
     honoured("temperature", BOTH, "OpenAI", GENERATION, 0.0, "0 is greedy"),
     honoured("top_p", BOTH, "OpenAI", GENERATION, 0.9),
@@ -219,7 +221,7 @@ FIELDS: tuple[RequestField, ...] = (
     refused("function_call", CHAT, "OpenAI", "deprecated by OpenAI: send `tool_choice`", "auto"),
     refused("audio", CHAT, "OpenAI", "this model does not produce audio",
             {"voice": "alloy", "format": "wav"}),
-    partly("modalities", CHAT, "OpenAI", ROUTES, only(["text"]), '`["text"]`',
+    partly("modalities", CHAT, "OpenAI", CHAT_SERVING, only(["text"]), '`["text"]`',
            "this model produces text only", ["text"], ["text", "audio"]),
     refused("prediction", CHAT, "OpenAI", "predicted outputs are not implemented",
             {"type": "content", "content": "Hello"}),
@@ -245,11 +247,11 @@ FIELDS: tuple[RequestField, ...] = (
     refused("verbosity", CHAT, "OpenAI", "the model has no verbosity control", "low"),
     refused("web_search_options", CHAT, "OpenAI", "there is no web search here", {}),
     # --- OpenAI: completions --------------------------------------------------------------------
-    honoured("prompt", COMPLETIONS, "OpenAI", ROUTES, "Hello"),
-    honoured("echo", COMPLETIONS, "OpenAI", ROUTES, True),
+    honoured("prompt", COMPLETIONS, "OpenAI", COMPLETIONS_SERVING, "Hello"),
+    honoured("echo", COMPLETIONS, "OpenAI", COMPLETIONS_SERVING, True),
     partly("best_of", COMPLETIONS, "OpenAI", GENERATION, _best_of_is_n, "equal to `n`",
            "choosing the best of more generations than `n` is not implemented", 1, 3),
-    partly("suffix", COMPLETIONS, "OpenAI", ROUTES, only(""), '`""`',
+    partly("suffix", COMPLETIONS, "OpenAI", COMPLETIONS_SERVING, only(""), '`""`',
            "fill-in-the-middle is not supported by this model", "", "def"),
     # --- vLLM: both endpoints -------------------------------------------------------------------
     partly("use_beam_search", BOTH, "vLLM", GENERATION, only(False), "`false`",
@@ -272,7 +274,7 @@ FIELDS: tuple[RequestField, ...] = (
     refused("truncate_prompt_tokens", BOTH, "vLLM",
             "prompts are never truncated: one too long for the context is a 400", 8),
     refused("truncation_side", BOTH, "vLLM", "prompts are never truncated", "left"),
-    honoured("prompt_logprobs", BOTH, "vLLM", ROUTES, 1),
+    honoured("prompt_logprobs", BOTH, "vLLM", SERVING, 1),
     refused("logprob_token_ids", BOTH, "vLLM",
             "logprobs of chosen token ids are not implemented; use logprobs", [42]),
     refused("allowed_token_ids", BOTH, "vLLM", "restricting sampling to given token ids is not implemented",
@@ -297,7 +299,7 @@ FIELDS: tuple[RequestField, ...] = (
     refused("structured_outputs.backend", BOTH, "vLLM", _BACKEND, "outlines"),
     honoured("structured_outputs.disable_fallback", BOTH, "vLLM", GUIDED, True,
              "xgrammar is the only backend: there is nothing to fall back to"),
-    partly("priority", BOTH, "vLLM", ROUTES, only(0), "`0`",
+    partly("priority", BOTH, "vLLM", SERVING, only(0), "`0`",
            "one queue, first come first served: priority scheduling is not offered", 0, 5),
     refused("request_id", BOTH, "vLLM",
             "send it as the x-request-id header, which names the response and the logs", "req-1"),
@@ -305,14 +307,14 @@ FIELDS: tuple[RequestField, ...] = (
              "a session identity for routing gateways; one server keeps no sessions"),
     partly("return_tokens_as_token_ids", BOTH, "vLLM", LOGPROBS, only(False), "`false`",
            "logprob tokens are always their text", False, True),
-    partly("return_token_ids", BOTH, "vLLM", ROUTES, only(False), "`false`",
+    partly("return_token_ids", BOTH, "vLLM", SERVING, only(False), "`false`",
            "responses carry no token ids", False, True),
-    partly("return_token_offsets", BOTH, "vLLM", ROUTES, only(False), "`false`",
+    partly("return_token_offsets", BOTH, "vLLM", SERVING, only(False), "`false`",
            "responses carry no token offsets", False, True),
-    partly("return_prompt_text", BOTH, "vLLM", ROUTES, only(False), "`false`",
+    partly("return_prompt_text", BOTH, "vLLM", SERVING, only(False), "`false`",
            "responses carry no prompt text", False, True),
-    partly("return_mm_kwargs", BOTH, "vLLM", ROUTES, only(True), "`true`", _NO_MULTIMODAL, True, False),
-    partly("routed_experts_prompt_start", BOTH, "vLLM", ROUTES, only(0), "`0`",
+    partly("return_mm_kwargs", BOTH, "vLLM", SERVING, only(True), "`true`", _NO_MULTIMODAL, True, False),
+    partly("routed_experts_prompt_start", BOTH, "vLLM", SERVING, only(0), "`0`",
            "responses carry no routed-expert data", 0, 4),
     refused("cache_salt", BOTH, "vLLM",
             "per-request cache salts are not taken (the prefix cache is salted per LoRA adapter)", "s" * 43),
@@ -321,7 +323,7 @@ FIELDS: tuple[RequestField, ...] = (
     refused("vllm_xargs", BOTH, "vLLM", "no extension here reads them", {"a": 1}),
     refused("repetition_detection", BOTH, "vLLM", "repetition detection is not implemented",
             {"max_pattern_size": 4, "min_count": 3}),
-    partly("stream_interval", BOTH, "vLLM", ROUTES, only(1), "`1`",
+    partly("stream_interval", BOTH, "vLLM", SERVING, only(1), "`1`",
            "tokens are streamed as each step makes them", 1, 4),
     refused("thinking_token_budget", BOTH, "vLLM", "thinking budget control is not implemented", 64),
     refused("logits_processors", BOTH, "vLLM", "logits processors are never loaded from a request",
@@ -334,7 +336,7 @@ FIELDS: tuple[RequestField, ...] = (
     refused("guided_decoding_backend", BOTH, "vLLM", _BACKEND, "outlines"),
     refused("guided_whitespace_pattern", BOTH, "vLLM", "the JSON grammar's whitespace is fixed", "[ ]?"),
     # --- vLLM: chat -----------------------------------------------------------------------------
-    partly("echo", CHAT, "vLLM", ROUTES, only(False), "`false`",
+    partly("echo", CHAT, "vLLM", CHAT_SERVING, only(False), "`false`",
            "echoing the last message into the answer is not implemented", False, True),
     partly("add_generation_prompt", CHAT, "vLLM", TEMPLATE, only(True), "`true`",
            "the prompt always ends by opening the assistant's turn", True, False),
@@ -349,10 +351,10 @@ FIELDS: tuple[RequestField, ...] = (
     honoured("chat_template_kwargs", CHAT, "vLLM", TEMPLATE, {"enable_thinking": False}),
     refused("media_io_kwargs", CHAT, "vLLM", _NO_MULTIMODAL, {"image": {}}),
     refused("mm_processor_kwargs", CHAT, "vLLM", _NO_MULTIMODAL, {"num_crops": 4}),
-    partly("include_reasoning", CHAT, "vLLM", ROUTES, only(True), "`true`",
+    partly("include_reasoning", CHAT, "vLLM", CHAT_SERVING, only(True), "`true`",
            "a reasoning model's reasoning is always returned", True, False),
     # --- vLLM: completions ----------------------------------------------------------------------
-    partly("add_special_tokens", COMPLETIONS, "vLLM", ROUTES, only(True), "`true`",
+    partly("add_special_tokens", COMPLETIONS, "vLLM", COMPLETIONS_SERVING, only(True), "`true`",
            "a prompt is always tokenized with the tokenizer's special tokens", True, False),
     refused("prompt_embeds", COMPLETIONS, "vLLM",
             "prompt embeddings are not accepted: send text or token ids", "AAAA"),
@@ -392,7 +394,7 @@ ALL_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant
 @dataclass(frozen=True)
 class MessageField:
     """A field of one chat message beyond `role` and `content`: passed on to the chat template on
-    messages of `roles` (service.api.openai_routes), refused on others; no roles: refused on every
+    messages of `roles` (service.api.chat.prompt), refused on others; no roles: refused on every
     message, because `note`."""
 
     name: str

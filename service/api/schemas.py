@@ -1,4 +1,5 @@
-"""OpenAI request and response bodies, validated strictly.
+"""The request and response bodies every endpoint shares, validated strictly (each endpoint's own
+are in its package: service.api.chat.protocol, ...).
 
 Request models declare the fields this service reads, with their types and ranges; every other
 field a client sends is kept (extra="allow") for service.api.request_fields, the one table that
@@ -8,7 +9,6 @@ it (an unknown one is refused as OpenAI refuses it). Nothing sent is dropped uns
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,7 +20,7 @@ MAX_N = 16
 MAX_TOKEN_ID_DIGITS = 18  # far beyond any vocabulary, and within what int() reads
 
 
-class _Request(BaseModel):
+class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
@@ -107,7 +107,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(Request):
     """Fields shared by chat and completions requests (OpenAI's, then vLLM's extras)."""
 
     model: str
@@ -173,35 +173,6 @@ class SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
-    endpoint: ClassVar[Endpoint] = "chat"
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    # vLLM extensions: the template a conversation is rendered with and variables passed to it
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class CompletionRequest(SamplingFields):
-    endpoint: ClassVar[Endpoint] = "completions"
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
-    suffix: str | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-
-
 # --- Responses ---------------------------------------------------------------------------------
 
 
@@ -245,73 +216,6 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class ResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None  # a reasoning model's thinking (NIM_REASONING_PARSER)
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ResponseMessage
-    finish_reason: FinishReason | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's: per prompt token, by token id
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    finish_reason: FinishReason | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-    logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's: per prompt token, by token id
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -325,37 +229,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class TokenizeRequest(_Request):
-    model: str
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(_Request):
-    model: str
-    tokens: list[Annotated[int, Field(ge=0)]]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
