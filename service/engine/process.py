@@ -15,7 +15,9 @@ messages, pickled: the pipe is a private socket pair between this process and th
 never a listening socket, and no weights cross it. The two processes share CLOCK_MONOTONIC, so the
 times in outputs (time.monotonic()) compare with the API's arrival times as in process.
 The API process keeps the tokenizer (read again from the model's files, as the engine reads it)
-and a mirror of the LoRA adapter names, which the engine process pushes when they change.
+and a mirror of the LoRA adapter names, which the engine process pushes when they change. Adding
+or removing an adapter by name (the runtime LoRA API) is a call to the engine process, which owns
+the adapter store: the mirror sends it and blocks until the answer, which carries the new names.
 
 Batching: the engine wakes its process's event loop once per step; every request's delta of that
 step is gathered into one Update before it is sent. In the API process one reader thread receives
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -52,13 +55,16 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Literal
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.lora_store import UnknownAdapterError
 from service.engine.process_core import (
     Abort,
+    AdapterChanged,
     CancelCheck,
+    ChangeAdapter,
     Check,
     Checked,
     ChildSetup,
@@ -220,12 +226,17 @@ def _end_process(process: BaseProcess, timeout: float) -> None:
         process.join()
 
 
+AdapterChange = Callable[[ChangeAdapter], None]  # sends a change and waits for its answer
+
+
 class AdapterMirror:
     """The API process's AdapterCatalog: the names the engine process serves, as it last sent them
-    (it owns the adapter store, its rescans and its reads)."""
+    (it owns the adapter store, its rescans and its reads); adding and removing are calls to it."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], change: AdapterChange) -> None:
         self._names = names
+        self._change = change
+        self._call_ids = itertools.count()
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -233,6 +244,12 @@ class AdapterMirror:
     def prepare(self, name: str) -> None:
         if name not in self._names:
             raise UnknownAdapterError(name)
+
+    def add(self, name: str, path: Path, replace: bool = False) -> None:
+        self._change(ChangeAdapter(next(self._call_ids), name, path, replace))
+
+    def remove(self, name: str) -> None:
+        self._change(ChangeAdapter(next(self._call_ids), name, None))
 
     def update(self, names: tuple[str, ...]) -> None:
         self._names = names
@@ -264,7 +281,8 @@ class ProcessEngine:
         self.process = process
         self._conn = conn
         self._info = info
-        self.adapters = AdapterMirror(adapters) if adapters is not None else None
+        self.adapters = AdapterMirror(adapters, self._change_adapter) if adapters is not None else None
+        self._adapter_calls: dict[int, concurrent.futures.Future[BaseException | None]] = {}
         self.on_fatal = on_fatal
         self._lock = threading.Lock()  # streams, calls, and the failure, against the reader thread
         self._streams: dict[str, _Stream] = {}
@@ -381,6 +399,19 @@ class ProcessEngine:
     def abort(self, request_id: str) -> None:
         self._outbox.put(Abort(request_id))
 
+    def _change_adapter(self, change: ChangeAdapter) -> None:
+        """Add or remove an adapter in the engine process; blocks until it answers (an add reads the
+        adapter's files there). Raises what the engine process's store raised."""
+        answer: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
+        with self._lock:
+            if self._failure is not None:
+                raise EngineDeadError(self._failure)
+            self._adapter_calls[change.call_id] = answer
+        self._outbox.put(change)
+        error = answer.result()
+        if error is not None:
+            raise error
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -434,6 +465,13 @@ class ProcessEngine:
                 call = self._calls.pop(message.call_id, None)
             if call is not None:
                 _settle(call, message.error)
+        elif isinstance(message, AdapterChanged):
+            if self.adapters is not None:
+                self.adapters.update(message.names)
+            with self._lock:
+                answer = self._adapter_calls.pop(message.call_id, None)
+            if answer is not None:
+                answer.set_result(message.error)
         elif isinstance(message, Started | Failed):
             error = message.error if isinstance(message, Failed) else None
             if isinstance(message, Started):
@@ -471,6 +509,7 @@ class ProcessEngine:
                 )
             streams, self._streams = self._streams, {}
             calls, self._calls = list(self._calls.values()), {}
+            adapter_calls, self._adapter_calls = list(self._adapter_calls.values()), {}
             starting, self._starting = self._starting, None
         self._outbox.put(None)
         self._conn.close()
@@ -486,6 +525,8 @@ class ProcessEngine:
                 loop.call_soon_threadsafe(_put_all, items)
         for call in calls:
             _settle(call, None)  # nothing refused: generate reports the dead engine
+        for answer in adapter_calls:
+            answer.set_result(EngineDeadError(self._failure or _describe_exit(self.process)))
         if starting is not None:  # start raises it, as a warm-up failure in process does
             _settle(starting, EngineDeadError(self._failure or _describe_exit(self.process)))
         if expected:

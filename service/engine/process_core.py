@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TypeVar
 
 from service.engine.config import EngineConfig
@@ -73,6 +74,17 @@ class CancelCheck:
 
 
 @dataclass(frozen=True)
+class ChangeAdapter:
+    """Serve the adapter at `path` as `name` (AdapterCatalog.add), or, with no path, stop serving
+    `name` (AdapterCatalog.remove); answered by AdapterChanged."""
+
+    call_id: int
+    name: str
+    path: Path | None
+    replace: bool = False
+
+
+@dataclass(frozen=True)
 class Start:
     pass
 
@@ -82,7 +94,7 @@ class Stop:
     pass
 
 
-ToEngine = Submit | Abort | Check | CancelCheck | Start | Stop
+ToEngine = Submit | Abort | Check | CancelCheck | ChangeAdapter | Start | Stop
 
 
 # --- Messages: engine process -> API process ------------------------------------------------------
@@ -123,6 +135,13 @@ class Checked:
 
 
 @dataclass(frozen=True)
+class AdapterChanged:
+    call_id: int
+    error: BaseException | None  # None: done
+    names: tuple[str, ...]  # the adapters served now
+
+
+@dataclass(frozen=True)
 class Died:
     """The step loop failed: `message` is the engine's `failure`, `error` what it raised."""
 
@@ -135,7 +154,7 @@ class Stopped:
     pass
 
 
-FromEngine = Loaded | Failed | Started | Update | Checked | Died | Stopped
+FromEngine = Loaded | Failed | Started | Update | Checked | AdapterChanged | Died | Stopped
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -258,6 +277,8 @@ class EngineCore:
                 task = self.loop.create_task(self._check(message))
                 self.checks[message.call_id] = task
                 task.add_done_callback(functools.partial(_forget, self.checks, message.call_id))
+            elif isinstance(message, ChangeAdapter):
+                self.loop.create_task(self._change_adapter(message))
             elif isinstance(message, CancelCheck):
                 check = self.checks.get(message.call_id)
                 if check is not None:
@@ -292,6 +313,23 @@ class EngineCore:
             self.send(Checked(message.call_id, portable(exc)))
         else:
             self.send(Checked(message.call_id, None))
+
+    async def _change_adapter(self, message: ChangeAdapter) -> None:
+        """An adapter added or removed by name, off the event loop (adding one reads its files)."""
+        catalog = self.loaded.result().adapters
+        error: BaseException | None = None
+        try:
+            if catalog is None:
+                raise RuntimeError("this engine serves no LoRA adapters")
+            if message.path is None:
+                await asyncio.to_thread(catalog.remove, message.name)
+            else:
+                await asyncio.to_thread(catalog.add, message.name, message.path, message.replace)
+        except Exception as exc:
+            error = portable(exc)
+        names = self._adapter_names() or ()
+        self.sent_adapters = names
+        self.send(AdapterChanged(message.call_id, error, names))
 
     async def _start(self) -> None:
         try:
