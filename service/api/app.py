@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
-from service.api import openai_routes, system_routes
+from service.api import lora_routes, openai_routes, probe_routes, system_routes
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
 from service.api.schemas import ChatCompletionChunk, CompletionResponse
@@ -75,6 +75,8 @@ def create_app(
     app.include_router(openai_routes.tokens_router)
     app.include_router(system_routes.router)
     app.include_router(system_routes.root_router)
+    app.include_router(probe_routes.router)
+    app.include_router(lora_routes.router)
     # Added innermost first: CORS answers preflights before authentication is asked for.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(
@@ -90,7 +92,8 @@ def create_app(
             allow_origins=origins,
             allow_methods=settings.split(settings.cors_allow_methods),
             allow_headers=settings.split(settings.cors_allow_headers),
-            expose_headers=["x-request-id"],
+            expose_headers=settings.split(settings.cors_expose_headers),
+            max_age=settings.cors_max_age,
         )
     return app
 

@@ -267,6 +267,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     stop = tools.stop if tools is not None else ()
+    body = state.seeded(body)
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided, stop
     )
@@ -540,6 +541,7 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await _adapter_for(ready, body.model)
     guided = guided_decoding(body)
+    body = state.seeded(body)
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter, guided)
     await _unless_disconnected(request, _check(ready, engine_requests))
     state.admit()
