@@ -8,6 +8,7 @@ settings layer's cases, one by one, are tests/test_launch_settings.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,10 +19,12 @@ import httpx
 import openai
 import pytest
 
+from service.model.config import ModelConfig
 from service.nim_variables import NIM_VARIABLES
 from tests.conftest import REPO, start_server, wait_ready
 from tests.fake_hub import FakeHub
 from tests.test_cli import run_cli
+from tests.test_lora_serving import write_adapter
 from tests.test_tensor_parallel import _checkpoint
 from tests.test_tensor_parallel_serving import _distinct_tokens
 
@@ -129,14 +132,21 @@ def test_a_model_named_only_by_nim_model_path_hf_is_downloaded_and_served(
 
 def test_vllms_quickstart_command_line_serves_what_it_names(tiny: Path, tmp_path: Path) -> None:
     """vLLM's OpenAI-compatible server quickstart, `vllm serve MODEL --dtype auto --api-key
-    token-abc123` (docs.vllm.ai, serving/openai_compatible_server), with MODEL a local directory."""
+    token-abc123` (docs.vllm.ai, serving/openai_compatible_server), with MODEL a local directory,
+    and the adapter flags of its LoRA page (`--enable-lora --lora-modules sql-lora=PATH`)."""
+    config = ModelConfig.from_hf_config(json.loads((tiny / "config.json").read_text()))
+    write_adapter(tmp_path / "adapters" / "sql", config, seed=5)
     args = [str(tiny), "--dtype", "auto", "--api-key", "token-abc123"]
+    args += ["--enable-lora", "--lora-modules", f"sql-lora={tmp_path / 'adapters' / 'sql'}"]
     server = start_server(tmp_path / "server.log", env=FP32, args=args)
     try:
         wait_ready(server)
         assert httpx.get(f"{server.base_url}/v1/models", timeout=10).status_code == 401
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="token-abc123", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        cards = {m.id: getattr(m, "parent", None) for m in client.models.list().data}
+        assert cards == {"tiny-chat": None, "sql-lora": "tiny-chat"}
+        adapted = client.completions.create(model="sql-lora", prompt="SELECT", max_tokens=3, temperature=0)
+        assert adapted.model == "sql-lora" and adapted.choices[0].text
         chat = client.chat.completions.create(
             model="tiny-chat", messages=[{"role": "user", "content": "Hello!"}], max_tokens=3, temperature=0
         )
