@@ -181,8 +181,8 @@ NIM_VARIABLES: tuple[NimVariable, ...] = (
         "NIM_FORCE_DETERMINISTIC",
         "1.x",
         _refused(
-            "deterministic (batch-invariant) kernels are not offered: greedy and seeded requests "
-            "reproduce within the same batch composition",
+            "no deterministic mode is offered: greedy and seeded requests are batch-invariant on "
+            "the CPU paths already (README: Batch invariance), on CUDA not yet verified",
             FALSE,
         ),
     ),
