@@ -66,7 +66,6 @@ ENV PATH=/opt/nim/venv/bin:${PATH} \
     XDG_CACHE_HOME=/opt/nim/.cache/xdg \
     NIM_CACHE_PATH=/opt/nim/.cache \
     HF_HOME=/opt/nim/.cache/huggingface \
-    NIM_SERVER_PORT=8000 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/nim
@@ -106,7 +105,6 @@ ENV PATH=/opt/nim/venv/bin:${PATH} \
     XDG_CACHE_HOME=/opt/nim/.cache/xdg \
     NIM_CACHE_PATH=/opt/nim/.cache \
     HF_HOME=/opt/nim/.cache/huggingface \
-    NIM_SERVER_PORT=8000 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/nim

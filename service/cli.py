@@ -1,6 +1,7 @@
-"""Command line, with NIM's command names: `serve` (the default), `list-model-profiles`,
-`download-to-cache`, `create-model-store`, plus `detect` and `health`. NIM's short flags work too:
-`download-to-cache -p ID...`, `create-model-store -p ID -m DIR`.
+"""Command line, with NIM's command names: `serve` (the default; `nim-serve` too, as NIM 2.x names
+it), `list-model-profiles`, `download-to-cache`, `create-model-store`, plus `detect` and `health`.
+NIM's short flags work too: `download-to-cache -p ID...`, `create-model-store -p ID -m DIR`.
+`serve` takes vLLM's command line (`serve MODEL --max-model-len 8192 ...`, service.serve_flags).
 
 Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
 `nim-torch` console script both land here.
@@ -19,6 +20,7 @@ import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
+from service.serve_flags import SERVE_COMMANDS, FlagError, parse_serve_flags, serve_help
 
 log = logging.getLogger("service")
 
@@ -26,9 +28,10 @@ log = logging.getLogger("service")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nim-torch", description="NIM-style OpenAI-compatible LLM service")
     commands = parser.add_subparsers(dest="command")
-    serve = commands.add_parser("serve", help="serve the model over HTTP (default)")
-    _add_model_flags(serve)
-    _add_serve_flags(serve)
+    # `serve` parses its own command line (vLLM's flags: service.serve_flags); listed for --help.
+    commands.add_parser(
+        "serve", aliases=["nim-serve"], help="serve the model over HTTP (default); serve --help"
+    )
     listing = commands.add_parser("list-model-profiles", help="show the system and which profiles can run")
     _add_model_flags(listing)
     listing.add_argument("--explain", action="store_true", help="also say why the selected profile won")
@@ -53,41 +56,21 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="overrides NIM_MAX_MODEL_LEN")
 
 
-def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--served-model-name", help="overrides NIM_SERVED_MODEL_NAME")
-    parser.add_argument("--host", help="overrides NIM_SERVER_HOST (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, help="overrides NIM_SERVER_PORT (default 8000)")
-    parser.add_argument("--dtype", help="overrides NIM_DTYPE")
-    parser.add_argument("--device", help="overrides NIM_DEVICE")
-    parser.add_argument("--log-level", help="overrides NIM_LOG_LEVEL")
-
-
-SETTINGS_FLAGS = (
-    "model_name",
-    "max_model_len",
-    "served_model_name",
-    "host",
-    "port",
-    "dtype",
-    "device",
-    "log_level",
-)
+SETTINGS_FLAGS = ("model_name", "max_model_len")  # the model flags of the commands other than serve
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        build_parser().print_help()  # the commands; `serve --help` lists serve's flags
+        return
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]  # `serve` is the default command
+    if argv[0] in SERVE_COMMANDS:
+        sys.exit(_serve_command(argv[1:]))
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k in SETTINGS_FLAGS}
-    try:
-        settings = load_settings(**flags)
-    except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    configure_logging(settings.python_log_level, settings.jsonl_logging)
-    if args.command == "serve":
-        sys.exit(serve(settings))
+    settings = _settings_or_exit(flags)
     from service import commands
 
     try:
@@ -104,6 +87,37 @@ def main(argv: list[str] | None = None) -> None:
     except commands.CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+def _serve_command(tokens: list[str]) -> int:
+    """`serve [MODEL] [flags]`: its flags (vLLM's included) parsed, the settings built, served."""
+    try:
+        flags = parse_serve_flags(tokens)
+    except FlagError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    if flags.help:
+        print(serve_help())
+        return 0
+    settings = _settings_or_exit(flags.values, flags.sources, flags.needs_lora)
+    return serve(settings)
+
+
+def _settings_or_exit(
+    flags: dict[str, object], sources: dict[str, str] | None = None, needs_lora: str | None = None
+) -> Settings:
+    """The settings, logging configured; exit code 2 with one line when they are refused."""
+    try:
+        settings = load_settings(sources=sources, needs_lora=needs_lora, **flags)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    configure_logging(settings.python_log_level, settings.jsonl_logging)
+    if settings.service_links:
+        links = ", ".join(settings.service_links)
+        log.info("ignoring Kubernetes service-link variables %s (from a Service whose name starts "
+                 "with nim; enableServiceLinks: false in the pod spec drops them)", links)  # fmt: skip
+    return settings
 
 
 def serve(settings: Settings) -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from service.config import Settings
 from service.selection.hardware import describe
-from service.selection.planning import current_system, fetch_profile, make_plan, manifest_for, policy_for
-from service.selection.profiles import Profile, ProfileError, Verdict, assess
+from service.selection.planning import assess_profiles, current_system, fetch_profile, make_plan, manifest_for
+from service.selection.profiles import Profile, ProfileError, Verdict
 from service.store.model_download import DownloadError
 from service.store.model_store import STORE_DESCRIPTOR, ModelNotFoundError
 
@@ -29,10 +29,9 @@ def list_model_profiles(settings: Settings, explain: bool = False) -> None:
     system = current_system(settings)
     print(describe(system))
     try:
-        manifest = manifest_for(settings)
+        manifest, verdicts = assess_profiles(settings, system)
     except (ModelNotFoundError, FileNotFoundError, DownloadError, ProfileError) as exc:
         raise CommandError(str(exc)) from None
-    verdicts = assess(manifest, system, policy_for(settings))
     try:
         plan = make_plan(settings)
         selected, why = plan.profile.id, plan.selection.explanation[0]

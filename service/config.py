@@ -6,6 +6,8 @@ layered on top, and passed down explicitly. Nothing else in the code base reads 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +16,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     SecretStr,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -33,6 +36,10 @@ from service.engine.config import (
     SchedulerLimits,
     step_defaults,
 )
+from service.engine.precision import QUANTIZED_PRECISIONS
+from service.nim_variables import check_environment
+from service.serve_flags import FlagError, passthrough_flags
+from service.store.model_uri import ModelRef, ModelRefError, parse_model_ref, resolve_model_ref
 from service.text.chat_template import ChatTemplate
 
 LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -57,8 +64,17 @@ class Settings(BaseSettings):
     model_name: str | None = Field(
         None,
         validation_alias=_env("NIM_MODEL_NAME"),
-        description="Model to serve: hub id, local model directory or .gguf file; unset = embedded.",
+        description="Model to serve: hub id (or hf://org/name[@revision]), local model directory or "
+        ".gguf file; unset = embedded. NIM 1.x's name for NIM_MODEL_PATH: given both, they must agree.",
     )
+    model_path: str | None = Field(
+        None,
+        validation_alias=_env("NIM_MODEL_PATH"),
+        description="NIM 2.x's name for the model to serve: hf://org/name[@revision], a local "
+        "directory or file (or file:///path), or a plain hub id; ngc:// and other remote sources "
+        "are refused with why.",
+    )
+    _model: ModelRef | None = PrivateAttr(None)
     served_model_name: str | None = Field(
         None,
         validation_alias=_env("NIM_SERVED_MODEL_NAME"),
@@ -88,6 +104,12 @@ class Settings(BaseSettings):
         validation_alias=_env("NIM_DTYPE"),
         description="Weight/activation dtype; auto = bfloat16 where the hardware runs it fast, else float32. "
         "With NIM_MODEL_PROFILE naming an int8_wo or int4_wo profile: the dtype its activations compute in.",
+    )
+    quantization: str | None = Field(
+        None,
+        validation_alias=_env("NIM_QUANTIZATION"),
+        description="Only consider profiles of this quantized precision (fp8, nvfp4, int8_wo, int4_wo; "
+        "vLLM's --quantization); NIM_DTYPE then stays auto.",
     )
     device: DeviceKind = Field(
         "auto", validation_alias=_env("NIM_DEVICE"), description="auto = CUDA when available, else CPU."
@@ -173,8 +195,9 @@ class Settings(BaseSettings):
     )
     hf_hub_offline: bool = Field(
         False,
-        validation_alias=_env("HF_HUB_OFFLINE"),
-        description="Never contact the hub: serve and download only from the cache.",
+        validation_alias=AliasChoices("HF_HUB_OFFLINE", "NIM_DISABLE_MODEL_DOWNLOAD"),
+        description="Never contact the hub: serve and download only from the cache. NIM 2.x's "
+        "NIM_DISABLE_MODEL_DOWNLOAD is read too.",
     )
     api_key: SecretStr | None = Field(
         None,
@@ -198,6 +221,17 @@ class Settings(BaseSettings):
         "Authorization,Content-Type,X-Request-Id",
         validation_alias=_env("NIM_CORS_ALLOW_HEADERS"),
         description="CORS request headers.",
+    )
+    cors_expose_headers: str = Field(
+        "X-Request-Id",
+        validation_alias=_env("NIM_CORS_EXPOSE_HEADERS"),
+        description="Response headers a browser script may read (comma-separated).",
+    )
+    cors_max_age: int = Field(
+        600,
+        ge=0,
+        validation_alias=_env("NIM_CORS_MAX_AGE"),
+        description="Seconds a browser may cache a preflight answer.",
     )
     max_pending_requests: int | None = Field(
         None,
@@ -257,10 +291,11 @@ class Settings(BaseSettings):
     )
     enforce_eager: bool = Field(
         False,
-        validation_alias=_env("NIM_ENFORCE_EAGER"),
+        validation_alias=AliasChoices("NIM_ENFORCE_EAGER", "NIM_DISABLE_CUDA_GRAPH"),
         description="1: run every step eagerly: no CUDA graphs, no scripted CPU decode step (debugging). "
         "Unset, a decode graph that fails to capture or whose replay differs from the eager step at "
-        "start is dropped with a log line (its batch sizes run eagerly).",
+        "start is dropped with a log line (its batch sizes run eagerly). NIM 2.x's "
+        "NIM_DISABLE_CUDA_GRAPH is read too.",
     )
     unified_attention: Literal["auto", "off"] = Field(
         "auto",
@@ -317,6 +352,7 @@ class Settings(BaseSettings):
         "the template itself; rendered in the same sandbox as the model's own.",
     )
     _chat_template_source: str | None = PrivateAttr(None)
+    _service_links: tuple[str, ...] = PrivateAttr(())  # Kubernetes service links ignored (nim_variables)
     trust_request_chat_template: bool = Field(
         False,
         validation_alias=_env("NIM_TRUST_REQUEST_CHAT_TEMPLATE"),
@@ -407,6 +443,33 @@ class Settings(BaseSettings):
         description="Adapters kept read in host memory (least recently used out); default 16, at least "
         "NIM_MAX_GPU_LORAS.",
     )
+    lora_modules: str | None = Field(
+        None,
+        validation_alias=_env("NIM_LORA_MODULES"),
+        description="Adapters to serve besides NIM_PEFT_SOURCE's, as name=path (comma-separated; "
+        "vLLM's --lora-modules); each is read and checked at start, and a bad one stops it.",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        validation_alias=AliasChoices("NIM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+        description="1: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload "
+        "adapters at run time, from inside NIM_PEFT_SOURCE only; vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING is read too.",
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        validation_alias=_env("NIM_SEED"),
+        description="Seed of the random draws of requests that send no seed (vLLM's --seed): the same "
+        "requests in the same order sample the same after a restart; unset: each draws at random.",
+    )
+    passthrough_args: str | None = Field(
+        None,
+        validation_alias=_env("NIM_PASSTHROUGH_ARGS"),
+        description="serve flags, vLLM's names included (--max-model-len 8192 --enable-prefix-caching); "
+        "a vLLM flag this server cannot honour is refused by name, and a flag that disagrees with "
+        "its variable or the command line stops the start.",
+    )
     enable_otel: bool | None = Field(
         None,
         validation_alias=_env("NIM_ENABLE_OTEL"),
@@ -415,7 +478,7 @@ class Settings(BaseSettings):
     )
     otel_exporter_otlp_endpoint: str | None = Field(
         None,
-        validation_alias=_env("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "NIM_OTEL_EXPORTER_OTLP_ENDPOINT"),
         description="OTLP/HTTP collector base URL (traces go to <url>/v1/traces), e.g. http://otel:4318.",
     )
     otel_exporter_otlp_traces_endpoint: str | None = Field(
@@ -425,11 +488,13 @@ class Settings(BaseSettings):
     )
     otel_traces_exporter: Literal["otlp", "console", "none"] = Field(
         "otlp",
-        validation_alias=_env("OTEL_TRACES_EXPORTER"),
+        validation_alias=AliasChoices("OTEL_TRACES_EXPORTER", "NIM_OTEL_TRACES_EXPORTER"),
         description="Where spans go: otlp (the collector), console (the log), none (off).",
     )
     otel_service_name: str = Field(
-        "nim-torch", validation_alias=_env("OTEL_SERVICE_NAME"), description="service.name on spans."
+        "nim-torch",
+        validation_alias=AliasChoices("OTEL_SERVICE_NAME", "NIM_OTEL_SERVICE_NAME"),
+        description="service.name on spans.",
     )
 
     @model_validator(mode="after")
@@ -448,14 +513,43 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _model_ref(self) -> Settings:
+        try:
+            self._model = resolve_model_ref(self.model_name, self.model_path)
+        except ModelRefError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Settings:
+        if self.quantization is not None and self.dtype != "auto":
+            raise ValueError(
+                f"NIM_QUANTIZATION={self.quantization} and NIM_DTYPE={self.dtype}: a quantized profile's "
+                "precision decides its dtype; set one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_settings(self) -> Settings:
+        if self.allow_runtime_lora_updating and self.peft_source is None:
+            raise ValueError(
+                "NIM_ALLOW_RUNTIME_LORA_UPDATING=1 needs NIM_PEFT_SOURCE: adapters are loaded at run "
+                "time from inside it only"
+            )
         limits = ("peft_refresh_interval", "max_lora_rank", "max_gpu_loras", "max_cpu_loras")
-        if self.peft_source is None:
+        if self.peft_source is None and not self.lora_modules:
             stray = [_env_name(name) for name in limits if getattr(self, name) is not None]
             if stray:
-                raise ValueError(f"{', '.join(stray)} set without NIM_PEFT_SOURCE: no adapters are served")
+                raise ValueError(
+                    f"{', '.join(stray)} set without NIM_PEFT_SOURCE or NIM_LORA_MODULES: no adapters "
+                    "are served"
+                )
             return self
-        if not self.peft_source.is_dir():
+        if self.peft_refresh_interval is not None and self.peft_source is None:
+            raise ValueError(
+                "NIM_PEFT_REFRESH_INTERVAL set without NIM_PEFT_SOURCE: there is nothing to rescan"
+            )
+        if self.peft_source is not None and not self.peft_source.is_dir():
             raise ValueError(f"NIM_PEFT_SOURCE={self.peft_source} is not a directory")
         lora = self.lora
         assert lora is not None
@@ -478,9 +572,22 @@ class Settings(BaseSettings):
         return self._chat_template_source
 
     @property
+    def service_links(self) -> tuple[str, ...]:
+        """The NIM_* Kubernetes service-link variables ignored at start (logged once)."""
+        return self._service_links
+
+    @property
+    def model(self) -> ModelRef | None:
+        """The model to serve, as NIM_MODEL_NAME and NIM_MODEL_PATH name it together (None: the
+        embedded model)."""
+        return self._model
+
+    @property
     def lora(self) -> LoraConfig | None:
-        """The LoRA settings with their defaults filled in; None without NIM_PEFT_SOURCE."""
-        if self.peft_source is None:
+        """The LoRA settings with their defaults filled in; None without NIM_PEFT_SOURCE or
+        NIM_LORA_MODULES."""
+        modules = lora_modules(self.lora_modules)
+        if self.peft_source is None and not modules:
             return None
         return LoraConfig.with_defaults(
             self.peft_source,
@@ -488,6 +595,7 @@ class Settings(BaseSettings):
             self.max_gpu_loras,
             self.max_cpu_loras,
             self.peft_refresh_interval,
+            modules,
         )
 
     @property
@@ -498,6 +606,19 @@ class Settings(BaseSettings):
             self.guided_compile_workers,
             self.guided_cache_bytes,
         )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, value: str | None) -> str | None:
+        lora_modules(value)  # ValueError for a malformed list
+        return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _quantized(cls, value: str | None) -> str | None:
+        if value is not None and value not in QUANTIZED_PRECISIONS:
+            raise ValueError(f"one of {', '.join(sorted(QUANTIZED_PRECISIONS))}")
+        return value
 
     @field_validator("otel_traces_exporter", mode="before")
     @classmethod
@@ -571,6 +692,21 @@ class Settings(BaseSettings):
         return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
 
 
+def lora_modules(value: str | None) -> tuple[tuple[str, Path], ...]:
+    """NIM_LORA_MODULES as (name, path) pairs: `name=path`, comma-separated. ValueError, one line,
+    for an entry that is not name=path (the adapters themselves are checked when they are read)."""
+    modules = []
+    for entry in Settings.split(value):
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"NIM_LORA_MODULES entry {entry!r} is not name=path")
+        modules.append((name.strip(), Path(path.strip()).expanduser()))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"NIM_LORA_MODULES names an adapter twice: {', '.join(sorted(names))}")
+    return tuple(modules)
+
+
 def chat_template_source(value: str) -> str:
     """NIM_CHAT_TEMPLATE's template: an existing file's text, else the value itself when it is Jinja
     (holds `{{` or `{%`); checked to compile. ValueError, one line, otherwise."""
@@ -604,17 +740,118 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the variable and what is allowed."""
 
 
-def load_settings(**overrides: Any) -> Settings:
+def read_variables() -> dict[str, str]:
+    """Every environment variable Settings reads -> its setting's own variable (the first name)."""
+    read: dict[str, str] = {}
+    for info in Settings.model_fields.values():
+        alias = info.validation_alias
+        assert isinstance(alias, AliasChoices)
+        names = [str(choice) for choice in alias.choices]
+        read.update(dict.fromkeys(names, names[0]))
+    return read
+
+
+def load_settings(
+    *, sources: Mapping[str, str] | None = None, needs_lora: str | None = None, **overrides: Any
+) -> Settings:
     """Read the environment, apply non-None overrides (command-line flags), validate once.
 
     Overrides are raw flag values of any type: pydantic validates and converts them, as it does the
-    environment's strings.
+    environment's strings; `sources` says how each was given ("--max-model-len 8k"), for messages.
+    `needs_lora`: a flag (--enable-lora) that asks for adapters, so some must be named.
+    Before anything is read, every NIM_* variable must be one this server reads or NIM documents
+    and it honours (service.nim_variables); NIM_PASSTHROUGH_ARGS adds its flags below the command
+    line's. A flag and a variable of the same setting (or two names of one setting, or the command
+    line and NIM_PASSTHROUGH_ARGS) given with different values are refused: one would be ignored.
     """
+    env = dict(os.environ)
+    check = check_environment(env, read_variables())
+    problems = [*check.problems, *_alias_conflicts(env)]
+    if problems:
+        raise ConfigError("; ".join(problems))
     flags = {k: v for k, v in overrides.items() if v is not None}
+    origin = {name: (sources or {}).get(name, f"--{name.replace('_', '-')}") for name in flags}
     try:
-        return Settings(**flags)
+        passthrough = passthrough_flags(_env_value(env, "NIM_PASSTHROUGH_ARGS"))
+    except FlagError as exc:
+        raise ConfigError(str(exc)) from None
+    for name, value in passthrough.values.items():
+        given = f"NIM_PASSTHROUGH_ARGS {passthrough.sources[name]}"
+        if name in flags and not _same(name, flags[name], value):
+            raise ConfigError(f"{origin[name]} and {given} disagree: give it once")
+        flags.setdefault(name, value)
+        origin.setdefault(name, given)
+    try:
+        settings = Settings(**flags)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+    conflicts = _flag_conflicts(flags, origin, env)
+    asked = needs_lora or (passthrough.needs_lora and f"NIM_PASSTHROUGH_ARGS {passthrough.needs_lora}")
+    if asked and settings.lora is None:
+        conflicts.append(f"{asked}: name the adapters to serve (NIM_PEFT_SOURCE or --lora-modules)")
+    if conflicts:
+        raise ConfigError("; ".join(conflicts))
+    settings._service_links = tuple(check.service_links)
+    return settings
+
+
+def _env_value(env: Mapping[str, str], name: str) -> str | None:
+    """`name`'s value as pydantic-settings reads it (names compare case-insensitively)."""
+    return next((value for key, value in env.items() if key.upper() == name), None)
+
+
+def _alias_conflicts(env: Mapping[str, str]) -> list[str]:
+    """Two names of one setting (NIM_ENFORCE_EAGER and NIM_DISABLE_CUDA_GRAPH) set differently."""
+    problems = []
+    for name, info in Settings.model_fields.items():
+        alias = info.validation_alias
+        assert isinstance(alias, AliasChoices)
+        given = [(str(c), v) for c in alias.choices if (v := _env_value(env, str(c))) is not None]
+        for other, value in given[1:]:
+            if not _same(name, given[0][1], value):
+                problems.append(f"{_shown(name, given[0][0], given[0][1])} and {_shown(name, other, value)} "
+                                "disagree: they are one setting, set one of them")  # fmt: skip
+    return problems
+
+
+def _flag_conflicts(flags: Mapping[str, Any], origin: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """A flag whose setting's variable is also set, to another value."""
+    problems = []
+    for name, value in flags.items():
+        alias = Settings.model_fields[name].validation_alias
+        assert isinstance(alias, AliasChoices)
+        for choice in map(str, alias.choices):
+            raw = _env_value(env, choice)
+            if raw is not None and not _same(name, value, raw):
+                problems.append(f"{origin[name]} and {_shown(name, choice, raw)} disagree: give one of them")
+    return problems
+
+
+def _shown(field: str, variable: str, value: str) -> str:
+    secret = Settings.model_fields[field].annotation in (SecretStr, SecretStr | None)
+    return f"{variable}=<hidden>" if secret else f"{variable}={value!r}"
+
+
+def _same(field: str, a: Any, b: Any) -> bool:
+    """Whether two raw values of one setting mean the same (as pydantic converts them)."""
+    if field in ("model_name", "model_path"):
+        try:
+            left_ref, right_ref = parse_model_ref(field, str(a)), parse_model_ref(field, str(b))
+        except ModelRefError:
+            return str(a).strip() == str(b).strip()
+        return left_ref.same_model(right_ref) and left_ref.revision == right_ref.revision
+    adapter: TypeAdapter[Any] = TypeAdapter(Settings.model_fields[field].annotation)
+    try:
+        left, right = adapter.validate_python(_stripped(a)), adapter.validate_python(_stripped(b))
+    except ValidationError:
+        return str(a).strip().lower() == str(b).strip().lower()
+    if isinstance(left, SecretStr) and isinstance(right, SecretStr):
+        return left.get_secret_value() == right.get_secret_value()
+    return bool(left == right)
+
+
+def _stripped(value: Any) -> Any:
+    return value.strip() if isinstance(value, str) else value
 
 
 def _describe(exc: ValidationError) -> str:

@@ -32,6 +32,7 @@ from service.engine.registry import load_engine
 from service.selection.planning import Plan, make_plan, model_source
 from service.selection.profiles import Profile
 from service.store.checkpoint import ModelSource
+from service.store.license import model_license
 from service.telemetry.metering import MeteredEngine
 from service.telemetry.metrics import Metrics
 from service.text.tokenizer import Tokenizer
@@ -180,6 +181,8 @@ def bring_up_model(settings: Settings) -> BringUp:
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()
         started = loaded.engine.info  # with what the engine decided while it started (its graphs)
+        embedded = plan.profile.source.repo == "embedded"
+        licence = await asyncio.to_thread(model_license, source.checkpoint, embedded)
         info = ModelInfo(
             served_name=source.served_name,
             source=str(source.path),
@@ -188,6 +191,7 @@ def bring_up_model(settings: Settings) -> BringUp:
             profile_name=plan.profile.name,
             profile_tags=plan.profile.tags(),
             selection=tuple(plan.selection.explanation[:1]),
+            license=licence,
         )
         return Ready(engine=engine, tokenizer=loaded.tokenizer, info=info, adapters=loaded.adapters)
 

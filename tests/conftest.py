@@ -64,8 +64,10 @@ def start_server(
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
     unset: tuple[str, ...] = (),
+    command: str = "serve",
 ) -> ServerProcess:
-    """The server on a free port with the test defaults, `env` over them, and `unset` removed."""
+    """The server on a free port with the test defaults, `env` over them, and `unset` removed;
+    `command` is serve or NIM 2.x's nim-serve."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
     full_env.update(
@@ -84,7 +86,7 @@ def start_server(
         [
             sys.executable,
             str(REPO / "entrypoint.py"),
-            "serve",
+            command,
             "--host",
             "127.0.0.1",
             "--port",

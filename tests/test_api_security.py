@@ -29,6 +29,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory, keys_file: Path) -> Iterat
         "NIM_API_KEY": "env-key-1,env-key-2",
         "NIM_API_KEYS_FILE": str(keys_file),
         "NIM_CORS_ALLOW_ORIGINS": "https://app.example.com",
+        "NIM_CORS_EXPOSE_HEADERS": "X-Request-Id,X-Ratelimit-Limit-Requests",
+        "NIM_CORS_MAX_AGE": "120",
     }
     server = start_server(tmp_path_factory.mktemp("secured") / "log", env=env)
     try:
@@ -87,8 +89,15 @@ def test_health_and_metrics_stay_open(secured: ServerProcess) -> None:
         "/metrics",
         "/v1/version",
         "/openapi.json",
+        "/health",  # vLLM's probes, open as vLLM keeps them
+        "/ping",
+        "/version",
     ):
         assert httpx.get(f"{secured.base_url}{path}").status_code == 200, path
+    assert httpx.post(f"{secured.base_url}/ping").status_code == 200
+    assert httpx.get(f"{secured.base_url}/v1/license").status_code == 401  # NIM's licence: behind the key
+    licence = httpx.get(f"{secured.base_url}/v1/license", headers={"Authorization": "Bearer env-key-1"})
+    assert licence.status_code == 200 and "Apache License" in licence.json()["content"]
 
 
 def test_request_id_is_echoed_and_used(secured: ServerProcess) -> None:
@@ -119,6 +128,10 @@ def test_cors(secured: ServerProcess) -> None:
     )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert preflight.headers["access-control-max-age"] == "120"  # NIM_CORS_MAX_AGE
+    simple = httpx.get(f"{secured.base_url}/v1/health/live", headers={"Origin": "https://app.example.com"})
+    exposed = simple.headers["access-control-expose-headers"].lower()
+    assert "x-request-id" in exposed and "x-ratelimit-limit-requests" in exposed  # NIM_CORS_EXPOSE_HEADERS
     other = httpx.options(
         f"{secured.base_url}/v1/chat/completions",
         headers={"Origin": "https://evil.example.com", "Access-Control-Request-Method": "POST"},

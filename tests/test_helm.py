@@ -1590,6 +1590,16 @@ def test_nim_llm_host_path_and_nfs_caches() -> None:
 def test_model_path_loads_and_served_name_is_a_deprecated_alias() -> None:
     loaded = render({"model": {"path": "Qwen/Qwen3-0.6B"}}).server
     assert env_value(loaded, "NIM_MODEL_NAME") == "Qwen/Qwen3-0.6B"
+    # NIM 2.x's model-free launch: env NIM_MODEL_PATH names the model (alone, or agreeing with model.path)
+    nim2 = {"env": [{"name": "NIM_MODEL_PATH", "value": "hf://Qwen/Qwen3-0.6B@main"}]}
+    rendered = render({**nim2, "model": {"name": "qwen"}})
+    assert env_value(rendered.server, "NIM_MODEL_PATH") == "hf://Qwen/Qwen3-0.6B@main"
+    assert "embedded" not in rendered.notes  # the model to load is named: no warning
+    agreeing = {"env": [{"name": "NIM_MODEL_PATH", "value": "hf://Qwen/Qwen3-0.6B"}]}
+    assert env_value(render({**agreeing, "model": {"path": "Qwen/Qwen3-0.6B"}}).server, "NIM_MODEL_PATH")
+    assert (
+        render({}).pod_spec["enableServiceLinks"] is False
+    )  # no NIM_* service links from a Service named nim
     assert "NIM_SERVED_MODEL_NAME" not in env_of(loaded)
     old = render({"model": {"servedName": "qwen"}})
     assert env_value(old.server, "NIM_SERVED_MODEL_NAME") == "qwen"
@@ -1615,9 +1625,12 @@ def test_model_path_loads_and_served_name_is_a_deprecated_alias() -> None:
             id="ngc-init",
         ),
         pytest.param(
-            {"env": [{"name": "NIM_MODEL_PATH", "value": "hf://meta-llama/Llama-3.1-8B-Instruct"}]},
-            ["env NIM_MODEL_PATH", "model.path"],
-            id="nim-2-model-path",
+            {
+                "model": {"path": "Qwen/Qwen3-0.6B"},
+                "env": [{"name": "NIM_MODEL_PATH", "value": "hf://meta-llama/Llama-3.1-8B-Instruct"}],
+            },
+            ["model.path (Qwen/Qwen3-0.6B) and env NIM_MODEL_PATH", "set one of them"],
+            id="nim-2-model-path-disagrees",
         ),
         pytest.param(
             {"model": {"name": "a", "servedName": "b"}},

@@ -96,7 +96,12 @@ def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NIM_JSONL_LOGGING", "1")
     settings = load_settings()
     assert (settings.port, settings.log_level, settings.jsonl_logging) == (9001, "DEBUG", True)
-    assert load_settings(port=8123).port == 8123  # a flag beats the environment
+    assert load_settings(port=9001, log_level="DEBUG").port == 9001  # flags agreeing with the environment
+    with pytest.raises(ConfigError) as info:  # one that disagrees would silently drop a setting
+        load_settings(port=8123)
+    assert str(info.value) == "--port and NIM_SERVER_PORT='9001' disagree: give one of them"
+    monkeypatch.delenv("NIM_SERVER_PORT")
+    assert load_settings(port=8123).port == 8123
 
 
 @pytest.mark.parametrize(

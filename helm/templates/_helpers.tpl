@@ -404,13 +404,13 @@ The main Service's name: service.name (nim-llm's override), else the full name.
 {{- end }}
 
 {{/*
-Whether the model to load is named anywhere: model.path, or NIM_MODEL_NAME in env/extraEnv (the
-way NVIDIA's nim-llm chart names it for the multi-LLM NIM).
+Whether the model to load is named anywhere: model.path, or NIM_MODEL_NAME (the way NVIDIA's nim-llm
+chart names it for the multi-LLM NIM) or NIM_MODEL_PATH (NIM 2.x's model-free image) in env/extraEnv.
 */}}
 {{- define "nim-torch.modelToLoad" -}}
 {{- $named := .Values.model.path }}
 {{- range concat (.Values.env | default list) (.Values.extraEnv | default list) }}
-{{- if eq .name "NIM_MODEL_NAME" }}{{ $named = "env" }}{{ end }}
+{{- if has .name (list "NIM_MODEL_NAME" "NIM_MODEL_PATH") }}{{ $named = "env" }}{{ end }}
 {{- end }}
 {{- $named }}
 {{- end }}
@@ -449,8 +449,8 @@ key this chart cannot honour stops the install here with one line saying why.
 {{- fail "initContainers.ngcInit: the NGC CLI model puller is not supported; the server downloads the model itself (to pre-fill the cache, run `download-to-cache` in initContainers.extraInit)" }}
 {{- end }}
 {{- range concat ($v.env | default list) ($v.extraEnv | default list) }}
-{{- if eq .name "NIM_MODEL_PATH" }}
-{{- fail "env NIM_MODEL_PATH (NIM 2.x model-free) is not read by this server: name the model to load in model.path or env NIM_MODEL_NAME (a Hugging Face id without hf://, a directory or a .gguf file in the container)" }}
+{{- if and (eq .name "NIM_MODEL_PATH") $m.path (ne (.value | default "" | trimPrefix "hf://") $m.path) }}
+{{- fail (printf "model.path (%s) and env NIM_MODEL_PATH (%s) name the model twice: set one of them" $m.path (.value | default "")) }}
 {{- end }}
 {{- end }}
 {{- if and $v.nfs.enabled (not $v.persistence.enabled) (not $v.hostPath.enabled) (or (not $v.nfs.server) (not $v.nfs.path)) }}

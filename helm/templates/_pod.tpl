@@ -14,6 +14,8 @@ metadata:
 spec:
   serviceAccountName: {{ include "nim-torch.serviceAccountName" . }}
   automountServiceAccountToken: {{ $v.serviceAccount.automountServiceAccountToken }}
+  # No <SERVICE>_* variables: a Service named nim... would inject NIM_SERVICE_HOST, NIM_PORT, ...
+  enableServiceLinks: false
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}

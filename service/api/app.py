@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import service
-from service.api import model_list, system_routes
+from service.api import lora_routes, model_list, probe_routes, system_routes
 from service.api.chat import router as chat
 from service.api.chat.protocol import ChatCompletionChunk
 from service.api.completions import router as completions
@@ -80,6 +80,8 @@ def create_app(
         app.include_router(endpoint.router)
     app.include_router(system_routes.router)
     app.include_router(system_routes.root_router)
+    app.include_router(probe_routes.router)
+    app.include_router(lora_routes.router)
     # Added innermost first: CORS answers preflights before authentication is asked for.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(
@@ -95,7 +97,8 @@ def create_app(
             allow_origins=origins,
             allow_methods=settings.split(settings.cors_allow_methods),
             allow_headers=settings.split(settings.cors_allow_headers),
-            expose_headers=["x-request-id"],
+            expose_headers=settings.split(settings.cors_expose_headers),
+            max_age=settings.cors_max_age,
         )
     return app
 

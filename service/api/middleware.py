@@ -18,12 +18,17 @@ from service.api.security import APIKeyStore
 from service.logs import TraceContext, request_id_var, trace_var
 from service.telemetry.tracing import RequestTracing, span_ids
 
-OPEN_PATHS = frozenset(("/v1/metrics", "/metrics", "/v1/version", "/openapi.json", "/redoc"))
+# vLLM's probes (/health, /ping, /version) are open as vLLM keeps them.
+OPEN_PATHS = frozenset(
+    ("/v1/metrics", "/metrics", "/v1/version", "/openapi.json", "/redoc", "/health", "/ping", "/version")
+)
 OPEN_PREFIXES = ("/v1/health/", "/docs")
 UNTRACED_PATHS = (
     "/v1/health/",
     "/v1/metrics",
     "/metrics",
+    "/health",
+    "/ping",
 )  # prefixes  # probes and scrapes would drown the traces
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")

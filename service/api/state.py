@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from service.api.errors import APIError, service_unavailable
 from service.api.tools import ParserName
 from service.config import Settings
 from service.engine.protocol import AdapterCatalog, Engine, EngineDeadError, EngineInfo
+from service.store.license import ModelLicense
 from service.telemetry.metering import EngineStatsCollector
 from service.telemetry.metrics import Metrics
 from service.text.reasoning import ReasoningConfigError, ReasoningParser, resolve
 from service.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class _Seeded(Protocol):
+    seed: int | None
+
+    def model_copy(self: SeededT, *, update: dict[str, Any] | None = None, deep: bool = False) -> SeededT: ...
+
+
+SeededT = TypeVar("SeededT", bound=_Seeded)
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,8 @@ class ApiLimits:
     auto_tool_choice: bool = True
     trust_request_chat_template: bool = False  # a request's own `chat_template` is rendered, not refused
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None  # NIM_REASONING_PARSER as set
+    seed: int | None = None  # NIM_SEED: seeds the draws of requests that send no seed
+    runtime_lora_updating: bool = False  # NIM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload API is on
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ApiLimits:
@@ -46,6 +59,8 @@ class ApiLimits:
             auto_tool_choice=settings.enable_auto_tool_choice,
             trust_request_chat_template=settings.trust_request_chat_template,
             reasoning_parser=settings.reasoning_parser,
+            seed=settings.seed,
+            runtime_lora_updating=settings.allow_runtime_lora_updating,
         )
 
 
@@ -61,6 +76,7 @@ class ModelInfo:
     profile_tags: dict[str, Any]
     selection: tuple[str, ...] = ()  # why this profile, one line each
     created: int = field(default_factory=lambda: int(time.time()))
+    license: ModelLicense | None = None  # what the model's files say of their licence (/v1/license)
 
     @property
     def max_model_len(self) -> int:
@@ -109,9 +125,22 @@ class ServiceState:
 
     in_flight: int = 0  # generation requests being served (streams until their last byte)
     _engine_stop: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
+    _seeds: random.Random | None = field(default=None, init=False, repr=False)
+    # Runtime LoRA changes one at a time: an adapter's checks and its listing are one step.
+    adapter_changes: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.engine_stats = EngineStatsCollector(self.served_name)
+        if self.limits.seed is not None:
+            self._seeds = random.Random(self.limits.seed)
+
+    def seeded(self, body: SeededT) -> SeededT:
+        """`body` as it is sampled: with NIM_SEED (vLLM's --seed), a request that sends no seed gets
+        the next seed of the server's own seeded sequence, so the same requests in the same order
+        sample the same after a restart; otherwise unchanged (the engine draws a random seed)."""
+        if self._seeds is None or body.seed is not None:
+            return body
+        return body.model_copy(update={"seed": self._seeds.getrandbits(63)})
 
     def admit(self) -> None:
         """Count one more generation request in, or refuse it (429) when the bounded queue is full."""

@@ -140,6 +140,9 @@ class LoraConfig:
     max_gpu_loras: int = DEFAULT_MAX_GPU_LORAS  # adapters resident on the device (slots)
     max_cpu_loras: int = DEFAULT_MAX_CPU_LORAS  # adapters kept read in host memory
     refresh_interval_s: float | None = None  # rescan period of the source; None: at start only
+    # NIM_LORA_MODULES (vLLM's --lora-modules): adapters named with their paths, served besides the
+    # source's; each is read and checked at start, and one that fails stops the start
+    modules: tuple[tuple[str, Path], ...] = ()
 
     @classmethod
     def with_defaults(
@@ -149,6 +152,7 @@ class LoraConfig:
         max_gpu_loras: int | None = None,
         max_cpu_loras: int | None = None,
         refresh_interval_s: float | None = None,
+        modules: tuple[tuple[str, Path], ...] = (),
     ) -> LoraConfig:
         """Unset limits take the defaults (host memory keeps at least the device's adapters)."""
         gpu = max_gpu_loras or DEFAULT_MAX_GPU_LORAS
@@ -158,6 +162,7 @@ class LoraConfig:
             gpu,
             max_cpu_loras or max(DEFAULT_MAX_CPU_LORAS, gpu),
             refresh_interval_s,
+            modules,
         )
 
 

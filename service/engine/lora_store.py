@@ -23,6 +23,15 @@ One bad adapter never harms the others: whatever goes wrong reading one (service
 refuses it with an AdapterError; anything else is caught too) refuses that adapter alone, at start
 as at every rescan, and is logged once per version of its files (a refusal of the scan itself,
 such as a symlink leading out of the source, once while it lasts).
+
+Adapters by name (`add`, `remove`): NIM_LORA_MODULES names adapters with their paths at start, and
+vLLM's runtime API (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) adds and removes them
+while serving. An added adapter is read and checked in full before it is listed, exactly as a
+scanned one; the API's adds must resolve inside the source (no path outside it, no symlink leading
+out). Rescans keep added adapters (re-reading them when their files change) and never bring back
+one that was removed. Removing is immediate for what is new: the name leaves `names` and `prepare`
+refuses it; the requests already accepted (running, or queued for a slot) finish with it, since
+`acquire` and `load` still serve a removed adapter's name. Adding a name again serves it again.
 """
 
 from __future__ import annotations
@@ -36,7 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.engine.config import LoraConfig
-from service.engine.lora import AdapterError, LoraAdapter, read_adapter, scan_source
+from service.engine.lora import (
+    ADAPTER_NAME,
+    CONFIG_FILE,
+    AdapterError,
+    LoraAdapter,
+    read_adapter,
+    scan_source,
+)
 from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +66,14 @@ class UnknownAdapterError(KeyError):
 
     def __str__(self) -> str:  # KeyError's would be the quoted name alone
         return f"adapter {self.args[0] if self.args else ''} is not served (not in the source, or removed)"
+
+
+class AdapterExistsError(ValueError):
+    """`add` of a name that is served already, without `replace`."""
+
+
+class AdapterNotFoundError(AdapterError):
+    """`add` of a path that holds no adapter (vLLM answers 404 for it)."""
 
 
 class NoFreeSlotError(RuntimeError):
@@ -101,7 +125,7 @@ def _version(path: Path) -> Version:
 
 @dataclass
 class LoraStore:
-    source: Path
+    source: Path | None  # NIM_PEFT_SOURCE; None: adapters by name only (NIM_LORA_MODULES)
     reader: Reader
     device_slots: int
     host_capacity: int
@@ -115,6 +139,8 @@ class LoraStore:
     _skipped: frozenset[str] = field(default_factory=frozenset, init=False)  # the last scan's refusals
     refresh_interval_s: float | None = None  # rescan period (start_refreshing); None: never
     reserved: frozenset[str] = frozenset()  # names requests use for other things (the base model's)
+    _added: dict[str, Path] = field(default_factory=dict, init=False)  # by name: path (add)
+    _removed: set[str] = field(default_factory=set, init=False)  # by name: listed no more (remove)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _refresher: threading.Thread | None = field(default=None, init=False)
 
@@ -122,22 +148,32 @@ class LoraStore:
     def open(cls, lora: LoraConfig, model: ModelConfig, served_name: str) -> LoraStore:
         """The store for an engine's LoRA settings over `model` (the base model's name reserved),
         its source scanned once now."""
-        if lora.source is None:
-            raise ValueError("LoRA settings without an adapter source")
+        if lora.source is None and not lora.modules:
+            raise ValueError("LoRA settings without an adapter source or adapters")
+        root = lora.source.resolve() if lora.source is not None else None
+
+        def reader(path: Path, name: str) -> LoraAdapter:
+            # An adapter inside the source is read as confined to it; one NIM_LORA_MODULES names
+            # elsewhere, to its own directory (links leading out of it are refused either way).
+            inside = root is not None and path.resolve().is_relative_to(root)
+            return read_adapter(path, name, model, lora.max_rank, lora.source if inside else None)
+
         store = cls(
             source=lora.source,
-            reader=lambda path, name: read_adapter(path, name, model, lora.max_rank, lora.source),
+            reader=reader,
             device_slots=lora.max_gpu_loras,
             host_capacity=lora.max_cpu_loras,
             refresh_interval_s=lora.refresh_interval_s,
             reserved=frozenset({served_name}),
         )
+        for name, path in lora.modules:  # a bad one stops the start (it was asked for by name)
+            store.add(name, path, within_source=False)
         result = store.refresh()
         log.info(
             "LoRA: %d adapter(s) from %s (%s); %d device slots of rank <= %d, %d kept in host memory%s",
-            len(result.added),
-            lora.source,
-            ", ".join(result.added) or "none yet",
+            len(result.added) + len(lora.modules),
+            lora.source if lora.source is not None else "NIM_LORA_MODULES",
+            ", ".join([*result.added, *(name for name, _ in lora.modules)]) or "none yet",
             lora.max_gpu_loras,
             lora.max_rank,
             lora.max_cpu_loras,
@@ -159,7 +195,11 @@ class LoraStore:
         """Rescan the source: new adapters are read and checked now (a malformed one is refused
         with its reason and never listed), removed ones stop being known. Raises only when the
         source itself cannot be listed (OSError)."""
-        found, skipped = scan_source(self.source)
+        found, skipped = scan_source(self.source) if self.source is not None else ({}, [])
+        with self._lock:
+            found.update(self._added)  # adapters by name are rescanned as the source's are
+            for name in self._removed:
+                found.pop(name, None)
         refused = [line for line in skipped if line not in self._skipped]  # reported once
         self._skipped = frozenset(skipped)
         refused_versions: dict[str, Version] = {}
@@ -196,8 +236,11 @@ class LoraStore:
                 self._keep(adapter)
             added.append(name)
         with self._lock:
-            # Gone from the source, or replaced by files that are refused.
-            removed = sorted(n for n in self._known if n not in found or n in refused_versions)
+            # Gone from the source, or replaced by files that are refused (a removed name stays
+            # known, unlisted, for the requests already accepted).
+            removed = sorted(
+                n for n in self._known if n not in self._removed and (n not in found or n in refused_versions)
+            )
             for name in removed:
                 self._forget(name)
             self._refused_versions = refused_versions
@@ -207,7 +250,7 @@ class LoraStore:
 
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(self._known)
+            return sorted(n for n in self._known if n not in self._removed)
 
     def path(self, name: str) -> Path | None:
         """Where a served adapter's files are (None: not served)."""
@@ -258,8 +301,74 @@ class LoraStore:
         engine reads an adapter into host memory (`load`) when one of its requests can take a
         device slot, so a request never waits on a read before it reaches the engine."""
         with self._lock:
-            if name not in self._known:
+            if name not in self._known or name in self._removed:
                 raise UnknownAdapterError(name)
+
+    # --- adapters by name (NIM_LORA_MODULES, the runtime API) -------------------------------------
+
+    def add(self, name: str, path: Path, replace: bool = False, within_source: bool = True) -> None:
+        """Serve the adapter at `path` as `name`, read and checked in full first (blocking: call it
+        off the event loop). With `within_source` (the runtime API) `path` must resolve inside the
+        source; a relative one is taken from it. Raises AdapterExistsError when `name` is served
+        already and `replace` is not set, AdapterError (one line) for a name, path or adapter that
+        cannot be served; with `replace`, the old version's requests finish with it."""
+        if not ADAPTER_NAME.fullmatch(name):
+            raise AdapterError(
+                f"adapter name {name!r} is not valid: letters, digits, '.', '_' and '-', at most 128"
+            )
+        if name in self.reserved:
+            raise AdapterError(f"adapter {name}: the served model's own name; choose another name")
+        with self._lock:
+            served = name in self._known and name not in self._removed
+        if served and not replace:
+            raise AdapterExistsError(name)
+        directory = self._adapter_directory(name, path, within_source)
+        adapter = self.reader(directory, name)
+        version = _version(directory)
+        with self._lock:
+            if name in self._known:
+                self._retire(name)  # a new version: slots with the old one drain
+            self._known[name] = version
+            self._added[name] = directory
+            self._removed.discard(name)
+            self._refused_versions.pop(name, None)
+            self._keep(adapter)
+        log.info("LoRA adapter %s added from %s", name, directory)
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name`: unlisted and refused to new requests at once, while the requests
+        already accepted finish with it; rescans do not bring it back. UnknownAdapterError when
+        it is not served."""
+        with self._lock:
+            if name not in self._known or name in self._removed:
+                raise UnknownAdapterError(name)
+            self._removed.add(name)
+            self._added.pop(name, None)
+            for index, slot in enumerate(self._slots):
+                if slot.name == name and not slot.holders:
+                    self._slots[index] = _Slot()  # idle: its slot is free for others now
+        log.info("LoRA adapter %s removed (requests already accepted finish with it)", name)
+
+    def _adapter_directory(self, name: str, path: Path, within_source: bool) -> Path:
+        """`path` resolved (links followed); with `within_source` it must lie inside the source."""
+        if within_source and self.source is None:
+            raise AdapterError(f"adapter {name}: there is no adapter source (NIM_PEFT_SOURCE) to load from")
+        given = path  # as the caller named it, in messages
+        if within_source and self.source is not None and not path.is_absolute():
+            path = self.source / path
+        try:
+            resolved = path.expanduser().resolve()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise AdapterError(f"adapter {name}: {given} cannot be resolved: {exc}") from exc
+        if within_source and self.source is not None:
+            base = self.source.resolve()
+            if not resolved.is_relative_to(base):
+                raise AdapterError(
+                    f"adapter {name}: {given} resolves to {resolved}, outside the adapter source {base}"
+                )
+        if not (resolved / CONFIG_FILE).is_file():
+            raise AdapterNotFoundError(f"adapter {name}: no adapter at {given} (no {CONFIG_FILE} there)")
+        return resolved
 
     def load(self, name: str) -> None:
         """Make sure `name` is in host memory (reads it from disk if it is not); blocking, for the

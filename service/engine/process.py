@@ -17,7 +17,9 @@ messages, pickled: the socket is a private pair between this process and its chi
 CLOCK_MONOTONIC, so the times in outputs (time.monotonic()) compare with the API's arrival times as
 in process.
 The API process keeps the tokenizer (read again from the model's files, as the engine reads it)
-and a mirror of the LoRA adapter names, which the engine process pushes when they change.
+and a mirror of the LoRA adapter names, which the engine process pushes when they change. Adding
+or removing an adapter by name (the runtime LoRA API) is a call to the engine process, which owns
+the adapter store: the mirror sends it and blocks until the answer, which carries the new names.
 
 Batching: every request's delta of a round (the commands that arrived, then a step) leaves in one
 Update. In the API process one reader thread receives
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -49,6 +52,7 @@ import multiprocessing.connection
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 from typing import Literal
 
 from service.engine.child import Child, ChildStartError
@@ -56,7 +60,9 @@ from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.core import Abort, Stop, Submit
 from service.engine.lora_store import UnknownAdapterError
 from service.engine.process_core import (
+    AdapterChanged,
     CancelCheck,
+    ChangeAdapter,
     Check,
     Checked,
     ChildSetup,
@@ -192,12 +198,17 @@ def _await_loaded(child: Child) -> Loaded:
     return message
 
 
+AdapterChange = Callable[[ChangeAdapter], None]  # sends a change and waits for its answer
+
+
 class AdapterMirror:
     """The API process's AdapterCatalog: the names the engine process serves, as it last sent them
-    (it owns the adapter store, its rescans and its reads)."""
+    (it owns the adapter store, its rescans and its reads); adding and removing are calls to it."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], change: AdapterChange) -> None:
         self._names = names
+        self._change = change
+        self._call_ids = itertools.count()
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -205,6 +216,12 @@ class AdapterMirror:
     def prepare(self, name: str) -> None:
         if name not in self._names:
             raise UnknownAdapterError(name)
+
+    def add(self, name: str, path: Path, replace: bool = False) -> None:
+        self._change(ChangeAdapter(next(self._call_ids), name, path, replace))
+
+    def remove(self, name: str) -> None:
+        self._change(ChangeAdapter(next(self._call_ids), name, None))
 
     def update(self, names: tuple[str, ...]) -> None:
         self._names = names
@@ -225,7 +242,8 @@ class ProcessEngine:
     ) -> None:
         self.child = child
         self._info = info
-        self.adapters = AdapterMirror(adapters) if adapters is not None else None
+        self.adapters = AdapterMirror(adapters, self._change_adapter) if adapters is not None else None
+        self._adapter_calls: dict[int, concurrent.futures.Future[BaseException | None]] = {}
         self.on_fatal = on_fatal
         self._streams = Streams()
         self._lock = threading.Lock()  # calls, the start and the expected exit, against the reader
@@ -317,6 +335,19 @@ class ProcessEngine:
     def abort(self, request_id: str) -> None:
         self._outbox.put(Abort(request_id))
 
+    def _change_adapter(self, change: ChangeAdapter) -> None:
+        """Add or remove an adapter in the engine process; blocks until it answers (an add reads the
+        adapter's files there). Raises what the engine process's store raised."""
+        answer: concurrent.futures.Future[BaseException | None] = concurrent.futures.Future()
+        with self._lock:
+            if self._streams.failure is not None:
+                raise EngineDeadError(self._streams.failure)
+            self._adapter_calls[change.call_id] = answer
+        self._outbox.put(change)
+        error = answer.result()
+        if error is not None:
+            raise error
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -370,6 +401,13 @@ class ProcessEngine:
                 call = self._calls.pop(message.call_id, None)
             if call is not None:
                 _settle(call, message.error)
+        elif isinstance(message, AdapterChanged):
+            if self.adapters is not None:
+                self.adapters.update(message.names)
+            with self._lock:
+                answer = self._adapter_calls.pop(message.call_id, None)
+            if answer is not None:
+                answer.set_result(message.error)
         elif isinstance(message, Started | Failed):
             error = message.error if isinstance(message, Failed) else None
             if isinstance(message, Started):
@@ -391,6 +429,7 @@ class ProcessEngine:
             if not expected:
                 failure = self._death.message if self._death is not None else child.describe_exit()
             calls, self._calls = list(self._calls.values()), {}
+            adapter_calls, self._adapter_calls = list(self._adapter_calls.values()), {}
             starting, self._starting = self._starting, None
         self._streams.fail(failure)
         self._outbox.put(None)
@@ -398,6 +437,8 @@ class ProcessEngine:
         atexit.unregister(self._end_at_exit)
         for call in calls:
             _settle(call, None)  # nothing refused: generate reports the dead engine
+        for answer in adapter_calls:
+            answer.set_result(EngineDeadError(failure or child.describe_exit()))
         if starting is not None:  # start raises it, as a warm-up failure in process does
             _settle(starting, EngineDeadError(failure or child.describe_exit()))
         if expected:

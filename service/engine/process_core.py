@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import NoReturn
 
 from service.engine.config import EngineConfig
@@ -61,11 +62,22 @@ class CancelCheck:
 
 
 @dataclass(frozen=True)
+class ChangeAdapter:
+    """Serve the adapter at `path` as `name` (AdapterCatalog.add), or, with no path, stop serving
+    `name` (AdapterCatalog.remove); answered by AdapterChanged."""
+
+    call_id: int
+    name: str
+    path: Path | None
+    replace: bool = False
+
+
+@dataclass(frozen=True)
 class Start:
     pass
 
 
-ToEngine = Submit | Abort | Check | CancelCheck | Start | Stop
+ToEngine = Submit | Abort | Check | CancelCheck | ChangeAdapter | Start | Stop
 
 
 # --- Messages: engine process -> API process ------------------------------------------------------
@@ -106,6 +118,13 @@ class Checked:
 
 
 @dataclass(frozen=True)
+class AdapterChanged:
+    call_id: int
+    error: BaseException | None  # None: done
+    names: tuple[str, ...]  # the adapters served now
+
+
+@dataclass(frozen=True)
 class Died:
     """The core failed: `message` is the engine's `failure`, `error` what it raised."""
 
@@ -118,7 +137,7 @@ class Stopped:
     pass
 
 
-FromEngine = Loaded | Failed | Started | Update | Checked | Died | Stopped
+FromEngine = Loaded | Failed | Started | Update | Checked | AdapterChanged | Died | Stopped
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -236,6 +255,8 @@ class EngineProcess:
                 for message in batch:
                     if isinstance(message, Check | CancelCheck):
                         self._check(message)
+                    elif isinstance(message, ChangeAdapter):
+                        self._change_adapter(message)
                     elif not isinstance(message, Start):
                         commands.append(message)
                 batch = self.inbox.get_nowait()
@@ -275,6 +296,26 @@ class EngineProcess:
             self.send(Checked(call_id, None if error is None else portable(error)))
 
         pending.future.add_done_callback(settled)
+
+    def _change_adapter(self, message: ChangeAdapter) -> None:
+        """An adapter added or removed by name, on a thread of its own (adding one reads and checks
+        its files, which the step loop must not wait for); answered with the names served after."""
+
+        def change() -> None:
+            catalog = self.core.adapters if self.core is not None else None
+            error: BaseException | None = None
+            try:
+                if catalog is None:
+                    raise RuntimeError("this engine serves no LoRA adapters")
+                if message.path is None:
+                    catalog.remove(message.name)
+                else:
+                    catalog.add(message.name, message.path, message.replace)
+            except Exception as exc:
+                error = portable(exc)
+            self.send(AdapterChanged(message.call_id, error, self._adapter_names() or ()))
+
+        threading.Thread(target=change, name="engine-process-adapter-change", daemon=True).start()
 
     # --- To the API process -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import asyncio
 import bisect
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import anyio
@@ -344,6 +345,18 @@ class AdapterCatalog(Protocol):
         """Raise KeyError unless an adapter of that name is served now. It reads nothing: the
         engine reads an adapter into memory when a request of it can take a device slot (one
         owner of "this adapter is in memory")."""
+        ...
+
+    def add(self, name: str, path: Path, replace: bool = False) -> None:
+        """Serve the adapter at `path` (inside the adapter source) as `name`, read and checked in
+        full first; blocking (call it off the event loop). Raises AdapterExistsError (served
+        already, `replace` unset), AdapterNotFoundError (no adapter there) or AdapterError (what
+        is wrong with the name, the path or the adapter), of service.engine.lora_store, in one line."""
+        ...
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name`: new requests are refused at once, those accepted finish with it;
+        blocking. Raises UnknownAdapterError (a KeyError) when it is not served."""
         ...
 
 

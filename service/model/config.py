@@ -103,6 +103,24 @@ class ModelConfig:
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise UnsupportedModelError(f"sliding windows must be at least 1, got {self.layer_windows}")
 
+    def tensor_parallel_refusal(self, size: int) -> str | None:
+        """Why `size` tensor-parallel ranks cannot shard this model (None: they can): each rank
+        takes whole attention heads, whole kv heads (or shares one when there are fewer than ranks)
+        and an equal slice of the MLP's and every expert's intermediate dimension. The one rule:
+        the engine's layout (engine.models.tensor_parallel.TPLayout) and selection apply it."""
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} kv heads (neither divides the other)")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate size {self.intermediate_size}")
+        if self.num_experts and self.moe_intermediate_size % size:
+            problems.append(f"expert intermediate size {self.moe_intermediate_size}")
+        if not problems:
+            return None
+        return f"tensor parallelism {size} does not divide this model's {', '.join(problems)}"
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

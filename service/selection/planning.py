@@ -6,6 +6,7 @@ command explains and acts on the same decision.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from service.selection.profiles import (
     Profile,
     ProfileError,
     Selection,
+    Verdict,
+    assess,
     find_manifest,
     generic_manifest,
     load_manifests,
@@ -60,16 +63,20 @@ def current_system(settings: Settings) -> SystemInfo:
     return detect_system(settings.cuda_visible_devices)
 
 
-def policy_for(settings: Settings) -> Policy:
+def policy_for(settings: Settings, config: ModelConfig | None = None) -> Policy:
+    """The operator's policy; with the model's `config` known, tensor-parallel profiles its shape
+    cannot be sharded into are incompatible (the check the engine makes when it loads)."""
     engines = available_engines()
     return Policy(
+        tensor_parallel_refusal=config.tensor_parallel_refusal if config is not None else None,
         engines=frozenset(name for name, state in engines.items() if state.available),
         engine_notes=tuple((name, state.reason) for name, state in engines.items() if not state.available),
         engine_support={name: entry.support for name, entry in ENGINES.items()},
         profile_type=settings.profile_type,
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
-        precision=None if settings.dtype == "auto" else PRECISION_TAGS[settings.dtype],
+        precision=settings.quantization
+        or (None if settings.dtype == "auto" else PRECISION_TAGS[settings.dtype]),
     )
 
 
@@ -78,31 +85,55 @@ def manifest_for(settings: Settings) -> Manifest:
     return _manifest_and_checkpoint(settings)[0]
 
 
+def assess_profiles(settings: Settings, system: SystemInfo) -> tuple[Manifest, list[Verdict]]:
+    """The model's manifest and every profile's verdict on `system`, as selection sees them."""
+    manifest, checkpoint = _manifest_and_checkpoint(settings)
+    return manifest, assess(manifest, system, policy_for(settings, _known_config(settings, checkpoint)))
+
+
+def _known_config(settings: Settings, checkpoint: Checkpoint | None) -> ModelConfig | None:
+    """The model's config where planning has it without fetching anything: an inspected
+    checkpoint's, or the embedded GGUF's header; None for a shipped manifest's hub model (its
+    tensor-parallel shapes are then checked when the engine loads)."""
+    if checkpoint is not None:
+        return checkpoint.config
+    if settings.model is None and settings.tensor_parallel_size not in (None, 1):
+        try:
+            return inspect_local(embedded_model_path()).config
+        except (ModelNotFoundError, UnsupportedModelError, QuantizationError, OSError):
+            return None
+    return None
+
+
 def _manifest_and_checkpoint(settings: Settings) -> tuple[Manifest, Checkpoint | None]:
     """The manifest, and the checkpoint inspected on the way where one was (a local path, a model
     store, or a hub id without a shipped manifest); None: inspected once its files are fetched."""
-    name = settings.model_name
+    model = settings.model
     manifests = load_manifests()
-    if name is None:
+    if model is None:
         found = find_manifest("embedded", manifests)
         assert found is not None, "profiles/ must ship the embedded model's manifest"
         return found, None
-    path = Path(name).expanduser()
-    store = read_store_descriptor(path) if path.is_dir() else None  # the one "is it a model store?"
-    if store is not None:
+    name = model.name
+    path = model.local_path
+    store = read_store_descriptor(path) if path is not None and path.is_dir() else None  # a model store?
+    if path is not None and store is not None:
         return _store_manifest(store, path, manifests), _inspect(lambda: inspect_local(path, store))
-    found = find_manifest(name, manifests)
+    # A pinned revision is served as generic profiles of that revision: a shipped manifest's
+    # profiles name their own repositories and revisions.
+    found = find_manifest(name, manifests) if model.revision is None else None
     if found is not None:
         return found, None
     served = settings.served_model_name or default_served_name(name)
-    if path.exists():
+    if path is not None:
         checkpoint = _inspect(lambda: inspect_local(path))
         return _generic_for_checkpoint(served, str(path), checkpoint), checkpoint
     if looks_like_hub_id(name):
         # No manifest and nothing local: generic torch profiles sized from the config and the
         # safetensors headers (read over HTTP ranges; no weight is downloaded).
+        revision = model.revision or "main"
         config_dir = download_artifact(
-            ArtifactSpec(name, "main", allow_patterns=HUB_INSPECTION_FILES),
+            ArtifactSpec(name, revision, allow_patterns=HUB_INSPECTION_FILES),
             settings.cache_path / "hub",
             token=_token(settings),
             offline=settings.hf_hub_offline,
@@ -112,10 +143,22 @@ def _manifest_and_checkpoint(settings: Settings) -> tuple[Manifest, Checkpoint |
                 config_dir, name, token=_token(settings), offline=settings.hf_hub_offline
             )
         )
-        return _generic_for_checkpoint(served, name, checkpoint), checkpoint
+        return _at_revision(_generic_for_checkpoint(served, name, checkpoint), revision), checkpoint
+    variable = "NIM_MODEL_PATH" if settings.model_path else "NIM_MODEL_NAME"
     raise ModelNotFoundError(
-        f"NIM_MODEL_NAME={name!r} is not an existing .gguf file, model directory or hub id (org/name)"
+        f"{variable}={name!r} is not an existing .gguf file, model directory or hub id (org/name)"
     )
+
+
+def _at_revision(manifest: Manifest, revision: str) -> Manifest:
+    """The manifest with its profiles' hub sources pinned to `revision` (their ids change with it)."""
+    if revision == "main":
+        return manifest
+    profiles = tuple(
+        dataclasses.replace(p, source=dataclasses.replace(p.source, revision=revision))
+        for p in manifest.profiles
+    )
+    return dataclasses.replace(manifest, profiles=profiles)
 
 
 def _inspect(inspection: Callable[[], Checkpoint]) -> Checkpoint:
@@ -204,16 +247,16 @@ class Plan:
 def make_plan(settings: Settings) -> Plan:
     system = current_system(settings)
     manifest, checkpoint = _manifest_and_checkpoint(settings)
-    selection = select(manifest, system, policy_for(settings), settings.model_profile)
+    policy = policy_for(settings, _known_config(settings, checkpoint))
+    selection = select(manifest, system, policy, settings.model_profile)
     return Plan(system, manifest, selection, checkpoint)
 
 
 def fetch_profile(profile: Profile, settings: Settings, *, progress: bool = True) -> Path:
     """The profile's files on local disk (downloaded into NIM_CACHE_PATH unless already there)."""
-    if settings.model_name is not None:
-        path = Path(settings.model_name).expanduser()
-        if path.is_dir() and read_store_descriptor(path) is not None:
-            return path  # a model store: everything is here already
+    path = settings.model.local_path if settings.model is not None else None
+    if path is not None and path.is_dir() and read_store_descriptor(path) is not None:
+        return path  # a model store: everything is here already
     source = profile.source
     if source.repo == "embedded":
         return embedded_model_path()
@@ -244,8 +287,8 @@ def model_source(plan: Plan, settings: Settings) -> ModelSource:
             raise UnsupportedConfigError(f"profile {plan.profile.name}: {error}") from error
     served = settings.served_model_name or (
         EMBEDDED_MODEL_NAME
-        if plan.profile.source.repo == "embedded"
-        else default_served_name(settings.model_name)
+        if plan.profile.source.repo == "embedded" or settings.model is None
+        else default_served_name(settings.model.name)
     )
     return ModelSource(checkpoint, served)
 
@@ -264,10 +307,10 @@ def served_name(settings: Settings) -> str:
     """The name the API reports and accepts, known before anything is loaded."""
     if settings.served_model_name:
         return settings.served_model_name
-    if settings.model_name is None:
+    if settings.model is None:
         return EMBEDDED_MODEL_NAME
-    path = Path(settings.model_name).expanduser()
-    store = read_store_descriptor(path) if path.is_dir() else None
+    path = settings.model.local_path
+    store = read_store_descriptor(path) if path is not None and path.is_dir() else None
     if store is not None and store.get("model"):
         return str(store["model"])
-    return default_served_name(settings.model_name)
+    return default_served_name(settings.model.name)

@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import json
 import sysconfig
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -243,6 +243,9 @@ class Policy:
     activations: str | None = None
     # What each engine can run (service.engine.registry); engines absent here are not checked.
     engine_support: Mapping[str, EngineSupport] = field(default_factory=dict)
+    # Why the model cannot be sharded over N torch ranks (None: it can; ModelConfig's rule), where
+    # its config is known before its files are fetched; None: not checked until the engine loads.
+    tensor_parallel_refusal: Callable[[int], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,10 @@ def evaluate(profile: Profile, arch: Architecture, system: SystemInfo, policy: P
             reasons.append(f"the {profile.llm_engine} engine {refusal}")
     if policy.tensor_parallel_size is not None and profile.tp != policy.tensor_parallel_size:
         reasons.append(f"tp={profile.tp}, but NIM_TENSOR_PARALLEL_SIZE={policy.tensor_parallel_size}")
+    if profile.tp > 1 and profile.llm_engine == "torch" and policy.tensor_parallel_refusal is not None:
+        refusal = policy.tensor_parallel_refusal(profile.tp)
+        if refusal is not None:
+            reasons.append(refusal)
     if policy.precision is not None and profile.precision != policy.precision:
         reasons.append(f"precision {profile.precision}, but NIM_DTYPE asks for {policy.precision}")
     if policy.activations is not None:

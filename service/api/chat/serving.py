@@ -107,6 +107,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await adapter_for(ready, body.model)
     stop = tools.stop if tools is not None else ()
+    body = state.seeded(body)
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided, stop
     )

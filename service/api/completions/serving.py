@@ -72,6 +72,7 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await adapter_for(ready, body.model)
     guided = guided_decoding(body)
+    body = state.seeded(body)
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter, guided)
     await unless_disconnected(request, check_requests(ready, engine_requests))
     state.admit()

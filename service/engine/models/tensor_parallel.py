@@ -80,22 +80,11 @@ class TPLayout:
     size: int
 
     def __post_init__(self) -> None:
-        config, size = self.config, self.size
-        if not 0 <= self.rank < size:
-            raise ValueError(f"rank {self.rank} is outside a tensor-parallel group of {size}")
-        problems = []
-        if config.num_heads % size:
-            problems.append(f"{config.num_heads} attention heads")
-        if config.num_kv_heads % size and size % config.num_kv_heads:
-            problems.append(f"{config.num_kv_heads} kv heads (neither divides the other)")
-        if config.intermediate_size % size:
-            problems.append(f"intermediate size {config.intermediate_size}")
-        if config.num_experts and config.moe_intermediate_size % size:
-            problems.append(f"expert intermediate size {config.moe_intermediate_size}")
-        if problems:
-            raise UnsupportedModelError(
-                f"tensor parallelism {size} does not divide this model's {', '.join(problems)}"
-            )
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is outside a tensor-parallel group of {self.size}")
+        refusal = self.config.tensor_parallel_refusal(self.size)
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
 
     @property
     def heads(self) -> int:

@@ -75,7 +75,7 @@ def check_lora(config: EngineConfig) -> None:
     lora = config.lora
     if lora is None:
         return
-    if lora.source is None:
+    if lora.source is None and not lora.modules:
         raise UnsupportedConfigError(
             f"profile {config.profile_name} serves LoRA adapters: set NIM_PEFT_SOURCE to their directory"
         )

@@ -40,7 +40,7 @@ def load(config: EngineConfig, on_fatal: Callable[[BaseException], None] | None 
     tokenizer = config.load_tokenizer()
     kwargs = engine_kwargs(config, api) if config.build_engine else llm_kwargs(config, api)
     adapters = None
-    if config.lora is not None and config.lora.source is not None:
+    if config.lora is not None and (config.lora.source is not None or config.lora.modules):
         adapters = LoraStore.open(config.lora, model_config, config.served_name)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     sampler = release(api.version, built_engine=config.build_engine)
@@ -108,7 +108,7 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_NUM_THREADS applies to the torch engine on the CPU; unset it")
     if config.collective_timeout_s is not None:
         raise refuse("NIM_COLLECTIVE_TIMEOUT_SECONDS applies to the torch engine; unset it")
-    if config.lora is not None and config.lora.source is None:
+    if config.lora is not None and config.lora.source is None and not config.lora.modules:
         raise refuse("a LoRA profile needs NIM_PEFT_SOURCE")
     if config.lora is not None and api.LoraConfig is None:
         raise refuse(f"tensorrt_llm {api.version} has no LoraConfig this adapter can find")
