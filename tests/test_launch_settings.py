@@ -304,7 +304,7 @@ def test_a_server_seed_gives_unseeded_requests_a_reproducible_sequence() -> None
     """NIM_SEED (vLLM's --seed): a request that sends no seed is sampled with the next seed of the
     server's own sequence, the same after a restart; a request's own seed is kept; unset, nothing
     is added (the engine draws at random)."""
-    from service.api.schemas import CompletionRequest
+    from service.api.completions.protocol import CompletionRequest
     from service.api.state import ApiLimits, ServiceState
     from service.telemetry.metrics import Metrics
 
