@@ -55,6 +55,7 @@ from multiprocessing.process import BaseProcess
 from typing import Literal
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
+from service.engine.kv_events import KVEventLog
 from service.engine.lora_store import UnknownAdapterError
 from service.engine.process_core import (
     Abort,
@@ -79,6 +80,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     GenerationRequest,
+    KVEvent,
     LoadedEngine,
     RequestOutput,
 )
@@ -273,6 +275,7 @@ class ProcessEngine:
         self._starting: _Call | None = None
         self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._stats = EngineStats()
+        self._kv_events = KVEventLog()  # received in order, until kv_events() drains them
         self._ready = False
         self._failure: str | None = None
         self._exit_expected = False  # stopping, or start failed: its exit is no death
@@ -384,6 +387,9 @@ class ProcessEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def kv_events(self) -> list[KVEvent]:
+        return self._kv_events.drain()
+
     # --- Writer thread: messages to the engine, a batch at a time -------------------------------------
 
     def _write(self) -> None:
@@ -427,6 +433,8 @@ class ProcessEngine:
                 self._stats = message.stats
             if message.adapters is not None and self.adapters is not None:
                 self.adapters.update(message.adapters)
+            if message.kv_events:
+                self._kv_events.extend(message.kv_events)
             if message.outputs:
                 self._deliver(message.outputs)
         elif isinstance(message, Checked):

@@ -33,6 +33,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     GenerationRequest,
+    KVEvent,
     LoadedEngine,
     RequestOutput,
 )
@@ -107,11 +108,13 @@ class Started:
 @dataclass(frozen=True)
 class Update:
     """One step's outputs (any number of requests), with the stats and adapter names where they
-    changed since the last Update (None: unchanged)."""
+    changed since the last Update (None: unchanged), and the prefix cache's KV events since the
+    last Update (in order; empty unless the engine records them)."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
     adapters: tuple[str, ...] | None = None
+    kv_events: tuple[KVEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -329,8 +332,9 @@ class EngineCore:
         outputs, self.pending = self.pending, []
         self.send(Update(outputs, *self._changes()))
 
-    def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None]:
-        """The stats and adapter names, each where it changed since it was last sent (else None)."""
+    def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None, tuple[KVEvent, ...]]:
+        """The stats and adapter names, each where it changed since it was last sent (else None),
+        and the KV events not sent yet."""
         stats: EngineStats | None = self.engine.stats()
         if stats is self.sent_stats:
             stats = None
@@ -341,7 +345,7 @@ class EngineCore:
             adapters = None
         else:
             self.sent_adapters = adapters
-        return stats, adapters
+        return stats, adapters, tuple(self.engine.kv_events())
 
     def _adapter_names(self) -> tuple[str, ...] | None:
         catalog = self.loaded.result().adapters
@@ -351,9 +355,9 @@ class EngineCore:
         """Stats (and adapter names) that change while no output flows: after an abort, a rescan."""
         while True:
             await asyncio.sleep(STATS_TICK_S)
-            stats, adapters = self._changes()
-            if stats is not None or adapters is not None:
-                self.send(Update([], stats, adapters))
+            stats, adapters, kv_events = self._changes()
+            if stats is not None or adapters is not None or kv_events:
+                self.send(Update([], stats, adapters, kv_events))
 
     def send(self, message: FromEngine) -> None:
         try:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from service.engine.config import GuidedLimits
+from service.engine.kv_events import KVEventLog
 from service.engine.lora_store import LoraStore
 from service.engine.models.base import CausalLM
 from service.engine.models.config import ModelConfig
@@ -56,6 +57,7 @@ from service.engine.protocol import (
     EngineStats,
     ErrorCause,
     GenerationRequest,
+    KVEvent,
     RequestOutput,
     RequestRefusedError,
     SamplingParams,
@@ -153,6 +155,7 @@ class TorchEngineConfig:
     enforce_eager: bool = False  # NIM_ENFORCE_EAGER: no CUDA graphs, no TorchScript step
     unified_attention: bool = True  # NIM_UNIFIED_ATTENTION: the unified kernel may run (CUDA, checked)
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
+    record_kv_events: bool = False  # the prefix cache logs its events for kv_events()
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,8 @@ class TorchEngine:
         self.config = config
         self._info = info
         self.on_fatal = on_fatal
-        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        events = KVEventLog() if config.record_kv_events else None
+        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching, events=events)
         self.kv = KVCacheManager(self.pool, config.kv_spec.block_size)
         self.kv_pool = KVPool(config.kv_spec, config.num_blocks, config.device)
         self._inbox: queue.Queue[_Submit | _Abort | _Fail | _Wake | None] = queue.Queue()
@@ -380,6 +384,9 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         return self.stats_publisher.snapshot
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.pool.events.drain() if self.pool.events is not None else []
 
     # --- Engine thread ----------------------------------------------------------------------------
 
