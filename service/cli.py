@@ -1,5 +1,6 @@
 """Command line, with NIM's command names: `serve` (the default), `list-model-profiles`,
-`download-to-cache`, `create-model-store`, plus `detect` and `health`. NIM's short flags work too:
+`download-to-cache`, `create-model-store`, plus `detect`, `health`, and the NVIDIA Dynamo roles
+`dynamo-worker` and `dynamo-router` (service.dynamo). NIM's short flags work too:
 `download-to-cache -p ID...`, `create-model-store -p ID -m DIR`.
 
 Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
@@ -13,12 +14,15 @@ import logging
 import ssl
 import sys
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
 from service.telemetry.logging import configure_logging
+
+if TYPE_CHECKING:
+    from service.api.app import BringUp
 
 log = logging.getLogger("service")
 
@@ -43,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--profile", "-p", required=True, help="profile id or name")
     store.add_argument("--model-store", "-m", required=True, type=Path, help="directory to create")
     commands.add_parser("detect", help="print the detected system as JSON")
+    worker = commands.add_parser(
+        "dynamo-worker", help="serve the model as an NVIDIA Dynamo worker (tokens in, tokens out, KV events)"
+    )
+    _add_model_flags(worker)
+    worker.add_argument("--served-model-name", help="overrides NIM_SERVED_MODEL_NAME")
+    worker.add_argument("--device", help="overrides NIM_DEVICE")
+    worker.add_argument("--log-level", help="overrides NIM_LOG_LEVEL")
+    router = commands.add_parser(
+        "dynamo-router", help="serve the HTTP API over Dynamo workers, routed by their KV caches"
+    )
+    _add_model_flags(router)
+    _add_serve_flags(router)
     health = commands.add_parser("health", help="exit 0 if the server on this host is ready, else 1")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     return parser
@@ -88,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.python_log_level, settings.jsonl_logging)
     if args.command == "serve":
         sys.exit(serve(settings))
+    if args.command in ("dynamo-worker", "dynamo-router"):
+        sys.exit(serve_dynamo(args.command, settings))
     from service import commands
 
     try:
@@ -106,8 +124,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def serve(settings: Settings) -> int:
-    """Run until stopped; returns the process exit code (non-zero when the model failed)."""
+def serve_dynamo(command: str, settings: Settings) -> int:
+    """A Dynamo role: refused in one line where Dynamo cannot run."""
+    from service.dynamo import missing
+
+    why = missing()
+    if why is not None:
+        log.error("%s needs NVIDIA Dynamo: %s", command, why)
+        return 2
+    if command == "dynamo-worker":
+        from service.dynamo.worker import serve_worker
+
+        return serve_worker(settings)
+    from service.dynamo.routed import bring_up_router
+
+    return serve(settings, bring_up_router(settings))
+
+
+def serve(settings: Settings, bring_up: BringUp | None = None) -> int:
+    """Run until stopped (the model loaded here, or `bring_up`'s); returns the process exit code
+    (non-zero when the model failed)."""
     from service.api.app import create_app
     from service.selection.planning import served_name
     from service.server import DrainingServer
@@ -122,7 +158,8 @@ def serve(settings: Settings) -> int:
             server.should_exit = True
 
     try:
-        app = create_app(settings, served_name(settings), bring_up_model(settings), on_fatal=on_fatal)
+        model = bring_up if bring_up is not None else bring_up_model(settings)
+        app = create_app(settings, served_name(settings), model, on_fatal=on_fatal)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return 2
