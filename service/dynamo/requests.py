@@ -7,10 +7,10 @@ passed through verbatim. Every field is honoured or refused, as the HTTP API tre
 fields: `FIELDS` below is the one table of what happens to each (docs/dynamo.md renders it), and
 a field it does not list is refused when it carries a value. `null` always means "not sent".
 
-Dynamo's request structs drop keys they do not know, so what only this server's router sends
-(LoRA-free extras that Dynamo has no field for: `logit_bias`, and a structured-output constraint
-with its tool-call markers or reasoning start) travels in `extra_args["nim"]`; `to_dynamo` and
-`from_dynamo` are inverses on every GenerationRequest (a test round-trips them).
+Dynamo's request structs drop keys they do not know and keep floats as float32, so this server's
+router sends the exact SamplingParams in `extra_args["nim"]["sampling"]` (logit_bias, a
+constraint's tool-call markers and reasoning start included); `to_dynamo` and `from_dynamo` are
+inverses on every GenerationRequest (a test round-trips them).
 
 No Dynamo import here: refusals are `RefusedField`, which the worker raises as Dynamo's
 `InvalidArgument`.
@@ -18,6 +18,7 @@ No Dynamo import here: refusals are `RefusedField`, which the worker raises as D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -32,6 +33,7 @@ from service.engine.protocol import (
     SamplingParams,
     TokenLogprob,
 )
+from service.util import one_line
 
 Handling = Literal["honoured", "only", "nothing to do", "refused"]
 
@@ -104,9 +106,10 @@ FIELDS: tuple[Field, ...] = (
     Field("router_config_override", "nothing to do", "the router's, already applied"),
     Field("extra_args", "honoured", 'only its "nim" object (this server\'s router), else refused'),
     Field("extra_args.nim", "honoured", "checked field by field"),
-    Field("extra_args.nim.logit_bias", "honoured", "token id -> bias, added to the logits"),
-    Field("extra_args.nim.guided", "honoured", "a constraint as this engine takes it (kind, spec, "
-          "prefix, suffix, start_after); not with guided_decoding"),
+    Field("extra_args.nim.sampling", "honoured", "this server's router: the request's sampling "
+          "parameters exactly as the engine takes them (Dynamo's fields are float32, and have no "
+          "logit_bias, tool-call markers or reasoning start); Dynamo's sampling, stop and output fields "
+          "must then be unset (max_tokens may repeat its value)"),
     Field("prefill_result", "refused", "disaggregated prefill/decode is not implemented"),
     Field("bootstrap_info", "refused", "disaggregated prefill/decode is not implemented"),
     Field("multi_modal_data", "refused", "this model takes text only"),
@@ -118,6 +121,15 @@ FIELDS: tuple[Field, ...] = (
 )  # fmt: skip
 
 _FIELD = {f.name: f for f in FIELDS}
+
+
+def fields_table() -> str:
+    """FIELDS as the markdown table docs/dynamo.md shows (a test keeps the two equal)."""
+    rows = ["| field | handling | why |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.handling} | {f.why} |" for f in FIELDS]
+    return "\n".join(rows) + "\n"
+
+
 # Routing fields the router used to pick this worker: nothing left for the worker to do.
 _ROUTING_KEYS_USED_BY_ROUTER = frozenset({"backend_instance_id", "prefill_worker_id", "decode_worker_id"})
 
@@ -228,39 +240,37 @@ def _guided_from_dynamo(spec: Mapping[str, Any]) -> GuidedDecoding:
     return GuidedDecoding("regex" if kind == "regex" else "grammar", value)
 
 
-def _guided_from_nim(value: Any) -> GuidedDecoding:
-    name = "extra_args.nim.guided"
+def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as JSON, exactly (floats as float64; a Dynamo struct would keep float32)."""
+    data = dataclasses.asdict(params)
+    data["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]  # JSON keys are text
+    return data
+
+
+def sampling_from_json(data: Any, vocab_size: int) -> SamplingParams:
+    """The inverse of `sampling_to_json`, checked (RefusedField naming what is wrong)."""
+    name = "extra_args.nim.sampling"
+    if not isinstance(data, Mapping):
+        raise RefusedField(name, "must be an object")
     try:
-        guided = GuidedDecoding(
-            kind=value["kind"],
-            spec=str(value.get("spec", "")),
-            prefix=str(value.get("prefix", "")),
-            suffix=str(value.get("suffix", "")),
-            start_after=tuple(int(t) for t in value.get("start_after", ())),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise RefusedField(name, "must be {kind, spec, prefix, suffix, start_after}") from None
-    if guided.kind not in ("json_schema", "json_object", "regex", "choice", "grammar"):
-        raise RefusedField(f"{name}.kind", f"unknown kind {guided.kind!r}")
-    return guided
-
-
-def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    name = "extra_args.nim.logit_bias"
-    if not isinstance(value, Mapping):
-        raise RefusedField(name, "must be an object of token id -> bias")
-    bias: dict[int, float] = {}
-    for key, weight in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise RefusedField(name, f"{key!r} is not a token id") from None
-        if not 0 <= token < vocab_size:
-            raise RefusedField(name, f"names a token id outside the vocabulary [0, {vocab_size})")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
-            raise RefusedField(name, f"bias of {key} must be a finite number")
-        bias[token] = float(weight)
-    return bias
+        values = dict(data)
+        guided = values.get("guided")
+        if guided is not None:
+            values["guided"] = GuidedDecoding(
+                **{**guided, "start_after": tuple(guided.get("start_after", ()))}
+            )
+        values["logit_bias"] = {int(t): float(b) for t, b in values.get("logit_bias", ())}
+        for key in ("stop", "stop_token_ids"):
+            values[key] = tuple(values.get(key, ()))
+        params = SamplingParams(**values)
+    except (TypeError, ValueError) as exc:  # an unknown key, a wrong type, a value out of range
+        raise RefusedField(name, one_line(exc)) from None
+    for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RefusedField(
+                f"{name}.{field}", f"names a token id outside the vocabulary [0, {vocab_size})"
+            )
+    return params
 
 
 @dataclass(frozen=True)
@@ -311,11 +321,52 @@ def from_dynamo(
     _check_keys("output_options", output)
     extra = _object(request, "extra_args")
     _check_keys("extra_args", extra)
-    nim = _object(extra, "nim") if "nim" in extra else {}
+    nim = _object(extra, "nim")
     _check_keys("extra_args.nim", nim)
+    if _sent(nim.get("sampling")):
+        params = _exact(nim["sampling"], stop, sampling, output, request, model)
+    else:
+        params = _standard(stop, sampling, output, request, model, len(prompt_ids))
+    if params.max_tokens > model.max_model_len - len(prompt_ids):
+        total = f"{len(prompt_ids)} prompt tokens + {params.max_tokens}"
+        limit = f"exceed the context of {model.max_model_len}"
+        raise RefusedField("stop_conditions.max_tokens", f"{total} {limit}")
+    return GenerationRequest(request_id, list(prompt_ids), params, arrival_time, adapter)
 
-    for key, allowed in (("n", (None, 1)), ("best_of", (None, 1))):
-        if sampling.get(key) not in allowed:
+
+def _exact(
+    data: Any,
+    stop: Mapping[str, Any],
+    sampling: Mapping[str, Any],
+    output: Mapping[str, Any],
+    request: Mapping[str, Any],
+    model: ModelView,
+) -> SamplingParams:
+    """This server's router: the exact parameters, with Dynamo's own fields unset (the router's
+    max_tokens may repeat them, for Dynamo's load accounting)."""
+    params = sampling_from_json(data, model.vocab_size)
+    given = [f"stop_conditions.{k}" for k, v in stop.items() if _sent(v) and k != "max_tokens"]
+    given += [f"sampling_options.{k}" for k, v in sampling.items() if _sent(v)]
+    given += [f"output_options.{k}" for k, v in output.items() if _sent(v)]
+    given += ["eos_token_ids"] if _sent(request.get("eos_token_ids")) else []
+    if given:
+        raise RefusedField(given[0], "give Dynamo's fields or extra_args.nim.sampling, not both")
+    if stop.get("max_tokens") not in (None, params.max_tokens):
+        raise RefusedField("stop_conditions.max_tokens", "disagrees with extra_args.nim.sampling.max_tokens")
+    return params
+
+
+def _standard(
+    stop: Mapping[str, Any],
+    sampling: Mapping[str, Any],
+    output: Mapping[str, Any],
+    request: Mapping[str, Any],
+    model: ModelView,
+    num_prompt: int,
+) -> SamplingParams:
+    """Dynamo's own fields (its frontend's requests)."""
+    for key in ("n", "best_of"):
+        if sampling.get(key) not in (None, 1):
             raise RefusedField(f"sampling_options.{key}", _FIELD[f"sampling_options.{key}"].why)
     if sampling.get("use_beam_search") not in (None, False):
         raise RefusedField("sampling_options.use_beam_search", "beam search is not implemented")
@@ -323,17 +374,12 @@ def from_dynamo(
         raise RefusedField("sampling_options.length_penalty", "only 1.0: it weighs beam search")
     if output.get("formatted_prompt") not in (None, False):
         raise RefusedField("output_options.formatted_prompt", "the worker takes tokens, not text")
-
     guided: GuidedDecoding | None = None
     if _sent(sampling.get("guided_decoding")):
         value = sampling["guided_decoding"]
         if not isinstance(value, Mapping):
             raise RefusedField("sampling_options.guided_decoding", "must be an object")
         guided = _guided_from_dynamo(value)
-    if _sent(nim.get("guided")):
-        if guided is not None:
-            raise RefusedField("extra_args.nim.guided", "give guided_decoding or this, not both")
-        guided = _guided_from_nim(nim["guided"])
 
     vocab = model.vocab_size
     ignore_eos = bool(_bool(stop, "ignore_eos", "stop_conditions"))
@@ -342,44 +388,30 @@ def from_dynamo(
     if ignore_eos:
         hidden = tuple(t for t in hidden if t not in model.eos_token_ids)
         eos = ()
-    stop_ids = (
-        *_ids(stop, "stop_token_ids", "stop_conditions", vocab),
-        *_ids(stop, "stop_token_ids_visible", "stop_conditions", vocab),
-        *hidden,
-        *eos,
-    )
+    stop_ids = list(_ids(stop, "stop_token_ids", "stop_conditions", vocab))
+    for token in (*_ids(stop, "stop_token_ids_visible", "stop_conditions", vocab), *hidden, *eos):
+        if token not in stop_ids:
+            stop_ids.append(token)
     strings = stop.get("stop")
-    if strings is not None and (
-        not isinstance(strings, list) or not all(isinstance(s, str) for s in strings)
-    ):
+    if strings is not None and not (isinstance(strings, list) and all(isinstance(x, str) for x in strings)):
         raise RefusedField("stop_conditions.stop", "must be a list of strings")
-    room = model.max_model_len - len(prompt_ids)
     max_tokens = _int(stop, "max_tokens", "stop_conditions", 1)
-    if max_tokens is not None and max_tokens > room:
-        raise RefusedField(
-            "stop_conditions.max_tokens",
-            f"{len(prompt_ids)} prompt tokens + {max_tokens} exceed the context of {model.max_model_len}",
-        )
-    temperature, top_p = (
-        _float(sampling, "temperature", "sampling_options"),
-        _float(sampling, "top_p", "sampling_options"),
-    )
-    min_p = _float(sampling, "min_p", "sampling_options")
+    temperature = _float(sampling, "temperature", "sampling_options")
+    top_p = _float(sampling, "top_p", "sampling_options")
     repetition = _float(sampling, "repetition_penalty", "sampling_options")
     try:
-        params = SamplingParams(
-            max_tokens=room if max_tokens is None else max_tokens,
+        return SamplingParams(
+            max_tokens=model.max_model_len - num_prompt if max_tokens is None else max_tokens,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=_int(sampling, "top_k", "sampling_options", -1) or 0,
-            min_p=min_p or 0.0,
+            min_p=_float(sampling, "min_p", "sampling_options") or 0.0,
             repetition_penalty=1.0 if repetition is None else repetition,
             presence_penalty=_float(sampling, "presence_penalty", "sampling_options") or 0.0,
             frequency_penalty=_float(sampling, "frequency_penalty", "sampling_options") or 0.0,
-            logit_bias=_logit_bias(nim["logit_bias"], vocab) if _sent(nim.get("logit_bias")) else {},
             seed=_int(sampling, "seed", "sampling_options"),
             stop=tuple(strings or ()),
-            stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            stop_token_ids=tuple(stop_ids),
             include_stop_str_in_output=bool(
                 _bool(sampling, "include_stop_str_in_output", "sampling_options")
             ),
@@ -392,47 +424,19 @@ def from_dynamo(
         )
     except ValueError as exc:  # SamplingParams' own range checks name the field
         raise RefusedField("sampling_options", str(exc)) from None
-    return GenerationRequest(request_id, list(prompt_ids), params, arrival_time, adapter)
 
 
 def to_dynamo(request: GenerationRequest) -> dict[str, Any]:
-    """The Dynamo request dict for an engine request (what this server's router sends): the
-    standard fields where Dynamo has them, the rest in extra_args["nim"]. `from_dynamo` of it
-    gives `request` back (its id and arrival time are the receiver's)."""
-    s = request.sampling
-    nim: dict[str, Any] = {}
-    if s.logit_bias:
-        nim["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
-    if s.guided is not None:
-        g = s.guided
-        nim["guided"] = {"kind": g.kind, "spec": g.spec, "prefix": g.prefix, "suffix": g.suffix,
-                         "start_after": list(g.start_after)}  # fmt: skip
+    """The Dynamo request dict for an engine request (what this server's router sends): the exact
+    parameters in extra_args["nim"]["sampling"], and max_tokens where Dynamo's router reads it.
+    `from_dynamo` of it (with `model` set) gives `request` back; its id and arrival time are the
+    receiver's."""
     return {
         "token_ids": list(request.prompt_token_ids),
-        "stop_conditions": {
-            "max_tokens": s.max_tokens,
-            "stop": list(s.stop) or None,
-            "stop_token_ids": list(s.stop_token_ids) or None,
-            "min_tokens": s.min_tokens or None,
-            "ignore_eos": s.ignore_eos,
-        },
-        "sampling_options": {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "min_p": s.min_p,
-            "repetition_penalty": s.repetition_penalty,
-            "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty,
-            "seed": s.seed,
-            "include_stop_str_in_output": s.include_stop_str_in_output,
-        },
-        "output_options": {
-            "logprobs": s.logprobs,
-            "prompt_logprobs": s.prompt_logprobs,
-            "skip_special_tokens": s.skip_special_tokens,
-        },
-        "extra_args": {"nim": nim} if nim else None,
+        "stop_conditions": {"max_tokens": request.sampling.max_tokens},
+        "sampling_options": None,
+        "output_options": None,
+        "extra_args": {"nim": {"sampling": sampling_to_json(request.sampling)}},
     }
 
 
