@@ -67,13 +67,13 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
 
 
-def workload(seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+def workload(seed: int, conversations: int) -> tuple[list[list[int]], list[list[list[int]]]]:
     """Each conversation's prefix and its user messages (token ids)."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(*TOKEN_RANGE) for _ in range(PREFIX_TOKENS)] for _ in range(CONVERSATIONS)]
+    prefixes = [[rng.randrange(*TOKEN_RANGE) for _ in range(PREFIX_TOKENS)] for _ in range(conversations)]
     users = [
         [[rng.randrange(*TOKEN_RANGE) for _ in range(USER_TOKENS)] for _ in range(TURNS)]
-        for _ in range(CONVERSATIONS)
+        for _ in range(conversations)
     ]
     return prefixes, users
 
@@ -109,13 +109,13 @@ async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], recor
     record.answer = "".join(pieces)
 
 
-async def run_workload(url: str, seed: int, tokenizer: Tokenizer) -> list[Conversation]:
-    prefixes, users = workload(seed)
-    conversations = [Conversation(i, list(prefixes[i])) for i in range(CONVERSATIONS)]
-    ready = list(range(CONVERSATIONS))  # conversations whose next turn may go now
+async def run_workload(url: str, seed: int, tokenizer: Tokenizer, count: int) -> list[Conversation]:
+    prefixes, users = workload(seed, count)
+    conversations = [Conversation(i, list(prefixes[i])) for i in range(count)]
+    ready = list(range(count))  # conversations whose next turn may go now
     rng = random.Random(seed + 1)
     wake = asyncio.Event()
-    remaining = CONVERSATIONS * TURNS
+    remaining = count * TURNS
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         nonlocal remaining
@@ -173,16 +173,18 @@ def answers(conversations: list[Conversation]) -> dict[tuple[int, int], str]:
 
 
 def measure_routed(workers: int, mode: str, args: argparse.Namespace, tokenizer: Tokenizer, root: Path):
-    env = {"NIM_NUM_THREADS": "1", "NIM_KV_CACHE_MAX_TOKENS": str(args.kv_tokens), "HF_HUB_OFFLINE": "1",
-           "NIM_DYNAMO_ROUTER_MODE": mode,
-           "NIM_DYNAMO_ROUTER_TRACK_ACTIVE_BLOCKS": "1" if args.track_active_blocks else "0"}  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NIM_")}, **env}
-    deployment = LocalDeployment(workers, args.port, root / mode, env=env)
+    engine = {"NIM_NUM_THREADS": "1", "NIM_KV_CACHE_MAX_TOKENS": str(args.kv_tokens)}
+    router = {"NIM_DYNAMO_ROUTER_MODE": mode,
+              "NIM_DYNAMO_ROUTER_TRACK_ACTIVE_BLOCKS": "1" if args.track_active_blocks else "0"}  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NIM_")}, "HF_HUB_OFFLINE": "1"}
+    deployment = LocalDeployment(
+        workers, args.port, root / mode, env=env, workers_env=engine, router_env=router
+    )
     print(f"{mode}: starting {workers} workers and the router", flush=True)
     deployment.start()
     try:
         started = time.perf_counter()
-        conversations = asyncio.run(run_workload(deployment.url, args.seed, tokenizer))
+        conversations = asyncio.run(run_workload(deployment.url, args.seed, tokenizer, args.conversations))
         wall = time.perf_counter() - started
     finally:
         codes = deployment.stop()
@@ -201,7 +203,7 @@ def measure_single(args: argparse.Namespace, tokenizer: Tokenizer, root: Path):
     try:
         nim_server.wait_ready(url, process, log)
         started = time.perf_counter()
-        conversations = asyncio.run(run_workload(url, args.seed, tokenizer))
+        conversations = asyncio.run(run_workload(url, args.seed, tokenizer, args.conversations))
         wall = time.perf_counter() - started
     finally:
         process.terminate()
@@ -219,6 +221,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--conversations", type=int, default=CONVERSATIONS, help="fewer for a smoke run")
     parser.add_argument("--kv-tokens", type=int, default=32768, help="KV cache tokens per engine")
     parser.add_argument("--track-active-blocks", action="store_true",
                         help="the kv router also weighs in-flight blocks (Dynamo's default)")  # fmt: skip
@@ -263,7 +266,7 @@ def main() -> None:
             "errors": "failed requests of the kv and round-robin runs",
         },
         "workload": {
-            "conversations": CONVERSATIONS,
+            "conversations": args.conversations,
             "turns": TURNS,
             "prefix_tokens": PREFIX_TOKENS,
             "user_tokens": USER_TOKENS,

@@ -278,6 +278,25 @@ def test_docs_render_the_field_table() -> None:
     assert docs[docs.index(start) + len(start) : docs.index(end)] == fields_table()
 
 
+def test_every_setting_belongs_to_a_role_and_strays_are_named() -> None:
+    from service.config import Settings
+    from service.dynamo import SETTING_ROLES, unused_settings
+
+    assert set(SETTING_ROLES) == set(Settings.model_fields)
+    settings = Settings(api_key="k", num_threads=1, dynamo_namespace="x")
+    assert unused_settings(settings, "engine") == ["NIM_API_KEY"]
+    assert unused_settings(settings, "api") == ["NIM_NUM_THREADS"]
+
+
+def test_one_dynamo_release_everywhere() -> None:
+    """The pin in the extra, the Makefile's --no-deps half and the version the roles require agree."""
+    from service.dynamo import DYNAMO_VERSION
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'dynamo = ["ai-dynamo-runtime=={DYNAMO_VERSION}"]' in pyproject
+    assert f"AI_DYNAMO := ai-dynamo=={DYNAMO_VERSION}" in (REPO / "Makefile").read_text()
+
+
 # ------------------------------------------------------------------------------------------------
 # KV events -> Dynamo's publisher
 
@@ -394,12 +413,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     workdir = tmp_path_factory.mktemp("dynamo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
-    env.update({"NIM_NUM_THREADS": "1", "NIM_KV_CACHE_MAX_TOKENS": "16384", "HF_HUB_OFFLINE": "1",
-                "NIM_DYNAMO_NAMESPACE": "nimtest"})  # fmt: skip
+    env.update({"HF_HUB_OFFLINE": "1", "NIM_DYNAMO_NAMESPACE": "nimtest"})
+    engine = {"NIM_NUM_THREADS": "1", "NIM_KV_CACHE_MAX_TOKENS": "16384"}
     # worker0's engine runs in a process of its own, worker1's in the worker's process
-    deployment = LocalDeployment(
-        2, free_port(), workdir, env=env, worker_env=[{"NIM_ENGINE_PROCESS": "on"}, {}]
-    )
+    per_worker = [{"NIM_ENGINE_PROCESS": "on"}, {}]
+    deployment = LocalDeployment(2, free_port(), workdir, env=env, workers_env=engine, worker_env=per_worker)
     saved = {k: os.environ.get(k) for k in [*LOOPBACK_ENV, "DYN_FILE_KV"]}
     probe = None
     try:

@@ -45,9 +45,10 @@ class LocalDeployment:
     workers: int
     port: int
     workdir: Path
-    env: dict[str, str] = field(default_factory=dict)  # over the inherited environment
-    worker_env: list[dict[str, str]] = field(default_factory=list)  # per worker, over `env`
-    router_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # every role's, over the inherited environment
+    workers_env: dict[str, str] = field(default_factory=dict)  # every worker's (engine settings)
+    worker_env: list[dict[str, str]] = field(default_factory=list)  # per worker, over both
+    router_env: dict[str, str] = field(default_factory=dict)  # the router's (API settings)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -64,7 +65,7 @@ class LocalDeployment:
         return env
 
     def start_worker(self, index: int) -> subprocess.Popen[bytes]:
-        env = self.base_env()
+        env = {**self.base_env(), **self.workers_env}
         if index < len(self.worker_env):
             env.update(self.worker_env[index])
         return self._spawn(f"worker{index}", ["worker"], env)
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="NIM_NUM_THREADS of each worker")
     args = parser.parse_args(argv)
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="nim-dynamo-"))
-    env = {"NIM_NUM_THREADS": str(args.threads)} if args.threads else {}
-    deployment = LocalDeployment(args.workers, args.port, workdir, env=env)
+    engine = {"NIM_NUM_THREADS": str(args.threads)} if args.threads else {}
+    deployment = LocalDeployment(args.workers, args.port, workdir, workers_env=engine)
     print(f"starting {args.workers} workers and the router; logs in {workdir}", flush=True)
     try:
         deployment.start()

@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from dynamo.llm import FpmEventSubscriber, KvRouter, KvRouterConfig
@@ -50,6 +51,7 @@ from dynamo.runtime import DistributedRuntime
 
 from service.api.state import ModelInfo, Ready
 from service.config import Settings
+from service.dynamo import unused_settings
 from service.dynamo.cards import CARD_KEY, WorkerCard
 from service.dynamo.requests import from_chunk, to_dynamo
 from service.dynamo.worker import endpoint_path
@@ -64,8 +66,9 @@ from service.engine.protocol import (
     RequestOutput,
     RequestRefusedError,
 )
+from service.selection.planning import fetch_profile, manifest_for
 from service.serving import use_chat_templates
-from service.store.checkpoint import inspect_local
+from service.store.model_download import ArtifactSpec, download_artifact
 from service.telemetry.metering import MeteredEngine
 from service.telemetry.metrics import Metrics
 from service.text.tokenizer import Tokenizer
@@ -358,11 +361,14 @@ def read_cards(subscriber: FpmEventSubscriber) -> dict[int, WorkerCard]:
     return cards
 
 
+# What the router fetches of a hub checkpoint: its configuration and tokenizer, never its weights.
+TOKENIZER_FILES = ("*.json", "*.jinja", "tokenizer.model")
+
+
 def router_tokenizer(settings: Settings, card: WorkerCard) -> tuple[Tokenizer, bool]:
     """The tokenizer of the workers' profile, from the model's files as this router resolves
-    NIM_MODEL_NAME (no weights are read), and whether it is the embedded model."""
-    from service.selection.planning import fetch_profile, manifest_for
-
+    NIM_MODEL_NAME (a hub checkpoint's tokenizer files only; a GGUF holds its own, so it is read
+    whole), and whether it is the embedded model."""
     manifest = manifest_for(settings)
     profile = next((p for p in manifest.profiles if p.id == card.profile_id), None)
     if profile is None:
@@ -370,18 +376,39 @@ def router_tokenizer(settings: Settings, card: WorkerCard) -> tuple[Tokenizer, b
             f"the workers serve profile {card.profile_name} ({card.profile_id}), which is not a profile of "
             f"{settings.model_name or 'the embedded model'}: give the router the workers' NIM_MODEL_NAME"
         )
-    path = fetch_profile(profile, settings, progress=False)
-    checkpoint = inspect_local(path)
-    if checkpoint.model_format == "gguf":
-        tokenizer = Tokenizer.from_gguf(checkpoint.path)
+    source = profile.source
+    local = source.repo == "embedded" or Path(source.repo).expanduser().exists()
+    if local or any(f.endswith(".gguf") for f in source.files) or _is_store(settings):
+        path = fetch_profile(profile, settings, progress=False)
     else:
-        tokenizer = Tokenizer.from_directory(checkpoint.path, checkpoint.metadata)
+        token = settings.hf_token.get_secret_value() if settings.hf_token is not None else None
+        spec = ArtifactSpec(source.repo, source.revision, TOKENIZER_FILES)
+        path = download_artifact(
+            spec, settings.cache_path / "hub", token=token, offline=settings.hf_hub_offline, progress=False
+        )
+    tokenizer = _read_tokenizer(path)
     if tokenizer.vocab_size != card.vocab_size:
         raise RuntimeError(
-            f"the router's tokenizer ({checkpoint.path}) has {tokenizer.vocab_size} tokens, the workers' "
+            f"the router's tokenizer ({path}) has {tokenizer.vocab_size} tokens, the workers' "
             f"{card.vocab_size}: give the router the workers' NIM_MODEL_NAME"
         )
-    return tokenizer, profile.source.repo == "embedded"
+    return tokenizer, source.repo == "embedded"
+
+
+def _is_store(settings: Settings) -> bool:
+    name = settings.model_name
+    return name is not None and Path(name).expanduser().is_dir()
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    if path.is_file():
+        return Tokenizer.from_gguf(path)
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_directory(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise RuntimeError(f"{path}: no tokenizer.json, and not one .gguf file to read a tokenizer from")
+    return Tokenizer.from_gguf(ggufs[0])
 
 
 def bring_up_router(settings: Settings) -> Callable[[Metrics, Callable[[str], None]], Awaitable[Ready]]:
@@ -389,6 +416,10 @@ def bring_up_router(settings: Settings) -> Callable[[Metrics, Callable[[str], No
     describe the model from it, and route (readiness stays 503 until then)."""
 
     async def bring_up(metrics: Metrics, on_engine_death: Callable[[str], None]) -> Ready:
+        unused = unused_settings(settings, "api")
+        if unused:
+            log.warning("dynamo-router: %s apply to the workers' engine (dynamo-worker), not to the router: "
+                        "not used here", ", ".join(unused))  # fmt: skip
         loop = asyncio.get_running_loop()
         runtime = DistributedRuntime(loop, settings.dynamo_discovery, "tcp", event_plane="zmq")
         try:

@@ -41,6 +41,7 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from service.config import Settings
+from service.dynamo import unused_settings
 from service.dynamo.cards import CARD_KEY, WorkerCard, card_directory
 from service.dynamo.kv_publish import KvEventRelay
 from service.dynamo.requests import ModelView, RefusedField, from_dynamo, to_chunk
@@ -250,6 +251,10 @@ def snapshot(stats: EngineStats) -> ComponentSnapshot:
 
 async def prepare(settings: Settings) -> tuple[NimWorker, WorkerConfig]:
     """Select the profile and fetch its files (as `serve` does), and say how to register."""
+    unused = unused_settings(settings, "engine")
+    if unused:
+        log.warning("dynamo-worker: %s apply to the HTTP API (dynamo-router), not to a worker: not used here",
+                    ", ".join(unused))  # fmt: skip
     plan = await asyncio.to_thread(make_plan, settings)
     for line in plan.selection.explanation:
         log.info("%s", line)
