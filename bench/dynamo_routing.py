@@ -162,6 +162,8 @@ def summarize(conversations: list[Conversation], wall_s: float) -> dict[str, Any
         "ttft_p50_ms": round(p50(later), 1),
         "turn1_prefix_hit_rate": round(hit_rate(first), 4),
         "turn1_ttft_p50_ms": round(p50(first), 1),
+        # turns 2-4 that did not find their conversation's 512-token prefix where they were sent
+        "prefix_misses": sum(t.cached_tokens < PREFIX_TOKENS - 16 for t in later),
         "all_turns_prefix_hit_rate": round(hit_rate(later + first), 4),
         "all_turns_ttft_p50_ms": round(p50(later + first), 1),
         "wall_s": round(wall_s, 1),
@@ -263,6 +265,7 @@ def main() -> None:
             "/ sum(usage.prompt_tokens)",
             "ttft_p50_ms": "turns 2-4: median ms from sending a request to its first streamed text chunk",
             "turn1_*": "the same over turn 1 (nothing to hit: every prefix is new)",
+            "prefix_misses": "turns 2-4 whose cached tokens did not cover their conversation's prefix",
             "errors": "failed requests of the kv and round-robin runs",
         },
         "workload": {

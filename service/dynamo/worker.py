@@ -227,9 +227,8 @@ class NimWorker(LLMEngine):
         last: EngineStats | None = None
         while True:
             await asyncio.sleep(RELAY_INTERVAL_S)
-            events = engine.kv_events()
-            if events and self.relay is not None:
-                self.relay.apply(events)
+            if self.relay is not None:  # until Dynamo hands over its publisher the log keeps them
+                self.relay.apply(engine.kv_events())
             stats = engine.stats()
             if stats is not last and self.snapshots is not None:
                 last = stats
