@@ -170,6 +170,9 @@ def serve(settings: Settings, bring_up: BringUp | None = None) -> int:
         port=settings.port,
         log_config=None,
         log_level=settings.python_log_level.lower(),
+        # asyncio's own loop, always: uvicorn's "auto" would switch to uvloop wherever it is installed
+        # (NVIDIA Dynamo's runtime brings it), and the server is tested on asyncio's.
+        loop="asyncio",
         timeout_graceful_shutdown=5,  # what is still open after the drain
         access_log=False,  # service.access logs each request with its id, status and time
         **tls_options(settings),
