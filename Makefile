@@ -5,8 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 EMBEDDED := model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 HOST ?= 127.0.0.1
+# Dynamo's Python half, beside the `dynamo` extra's runtime: its declared dependencies pull aisimulate
+# (the planner's, unused here), which downloads from a host outside PyPI, so it goes in --no-deps.
+AI_DYNAMO := ai-dynamo==1.6.1
 
-.PHONY: setup setup-test serve test test-gpu lint format bench clean
+.PHONY: setup setup-test serve test test-gpu lint format bench clean dynamo-local
 
 setup: $(VENV)/.runtime $(EMBEDDED)
 
@@ -24,6 +27,12 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 
 $(VENV)/.test: $(VENV)/.runtime pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps "$(AI_DYNAMO)"
+	touch $@
+
+$(VENV)/.dynamo: $(VENV)/.runtime pyproject.toml
+	$(PY) -m pip install --quiet -e ".[structured,dynamo]"
+	$(PY) -m pip install --quiet --no-deps "$(AI_DYNAMO)"
 	touch $@
 
 $(EMBEDDED): $(VENV)/.runtime
@@ -31,6 +40,10 @@ $(EMBEDDED): $(VENV)/.runtime
 
 serve: setup
 	$(PY) entrypoint.py serve --host $(HOST)
+
+# Two Dynamo workers and the router (this server's API) on 127.0.0.1:8000, file discovery, no etcd/NATS.
+dynamo-local: setup $(VENV)/.dynamo
+	$(PY) -m service.dynamo local --workers 2 --port 8000
 
 test: setup-test
 	$(PY) -m ruff check .

@@ -1,7 +1,8 @@
 """Command line, with NIM's command names: `serve` (the default; `nim-serve` too, as NIM 2.x names
-it), `list-model-profiles`, `download-to-cache`, `create-model-store`, plus `detect` and `health`.
-NIM's short flags work too: `download-to-cache -p ID...`, `create-model-store -p ID -m DIR`.
-`serve` takes vLLM's command line (`serve MODEL --max-model-len 8192 ...`, service.serve_flags).
+it), `list-model-profiles`, `download-to-cache`, `create-model-store`, plus `detect`, `health`, and
+the NVIDIA Dynamo roles `dynamo-worker` and `dynamo-router` (service.dynamo). NIM's short flags work
+too: `download-to-cache -p ID...`, `create-model-store -p ID -m DIR`. `serve` takes vLLM's command
+line (`serve MODEL --max-model-len 8192 ...`, service.serve_flags).
 
 Parses flags, builds the one Settings object, and runs the command. entrypoint.py and the
 `nim-torch` console script both land here.
@@ -14,13 +15,16 @@ import logging
 import ssl
 import sys
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 from service.serve_flags import SERVE_COMMANDS, FlagError, parse_serve_flags, serve_help
+
+if TYPE_CHECKING:
+    from service.api.app import BringUp
 
 log = logging.getLogger("service")
 
@@ -46,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--profile", "-p", required=True, help="profile id or name")
     store.add_argument("--model-store", "-m", required=True, type=Path, help="directory to create")
     commands.add_parser("detect", help="print the detected system as JSON")
+    # The Dynamo roles take serve's command line too; listed for --help.
+    commands.add_parser(
+        "dynamo-worker", help="serve the model as an NVIDIA Dynamo worker (tokens in, tokens out, KV events)"
+    )
+    commands.add_parser(
+        "dynamo-router", help="serve the HTTP API over Dynamo workers, routed by their KV caches"
+    )
     health = commands.add_parser("health", help="exit 0 if the server on this host is ready, else 1")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     return parser
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = ["serve", *argv]  # `serve` is the default command
     if argv[0] in SERVE_COMMANDS:
         sys.exit(_serve_command(argv[1:]))
+    if argv[0] in DYNAMO_COMMANDS:
+        sys.exit(_serve_command(argv[1:], dynamo_role=argv[0]))
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k in SETTINGS_FLAGS}
     settings = _settings_or_exit(flags)
@@ -89,8 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _serve_command(tokens: list[str]) -> int:
-    """`serve [MODEL] [flags]`: its flags (vLLM's included) parsed, the settings built, served."""
+DYNAMO_COMMANDS = ("dynamo-worker", "dynamo-router")
+
+
+def _serve_command(tokens: list[str], dynamo_role: str | None = None) -> int:
+    """`serve [MODEL] [flags]` (or a Dynamo role's): its flags (vLLM's included) parsed, the
+    settings built, served."""
     try:
         flags = parse_serve_flags(tokens)
     except FlagError as exc:
@@ -100,7 +117,7 @@ def _serve_command(tokens: list[str]) -> int:
         print(serve_help())
         return 0
     settings = _settings_or_exit(flags.values, flags.sources, flags.needs_lora)
-    return serve(settings)
+    return serve(settings) if dynamo_role is None else serve_dynamo(dynamo_role, settings)
 
 
 def _settings_or_exit(
@@ -120,8 +137,26 @@ def _settings_or_exit(
     return settings
 
 
-def serve(settings: Settings) -> int:
-    """Run until stopped; returns the process exit code (non-zero when the model failed)."""
+def serve_dynamo(command: str, settings: Settings) -> int:
+    """A Dynamo role: refused in one line where Dynamo cannot run."""
+    from service.dynamo import missing
+
+    why = missing()
+    if why is not None:
+        log.error("%s needs NVIDIA Dynamo: %s", command, why)
+        return 2
+    if command == "dynamo-worker":
+        from service.dynamo.worker import serve_worker
+
+        return serve_worker(settings)
+    from service.dynamo.routed import bring_up_router
+
+    return serve(settings, bring_up_router(settings))
+
+
+def serve(settings: Settings, bring_up: BringUp | None = None) -> int:
+    """Run until stopped (the model loaded here, or `bring_up`'s); returns the process exit code
+    (non-zero when the model failed)."""
     from service.api.app import create_app
     from service.selection.planning import served_name
     from service.server import DrainingServer
@@ -136,7 +171,8 @@ def serve(settings: Settings) -> int:
             server.should_exit = True
 
     try:
-        app = create_app(settings, served_name(settings), bring_up_model(settings), on_fatal=on_fatal)
+        model = bring_up if bring_up is not None else bring_up_model(settings)
+        app = create_app(settings, served_name(settings), model, on_fatal=on_fatal)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return 2
@@ -147,6 +183,9 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         log_config=None,
         log_level=settings.python_log_level.lower(),
+        # asyncio's own loop, always: uvicorn's "auto" would switch to uvloop wherever it is installed
+        # (NVIDIA Dynamo's runtime brings it), and the server is tested on asyncio's.
+        loop="asyncio",
         timeout_graceful_shutdown=5,  # what is still open after the drain
         access_log=False,  # service.access logs each request with its id, status and time
         **tls_options(settings),

@@ -470,6 +470,39 @@ class Settings(BaseSettings):
         "a vLLM flag this server cannot honour is refused by name, and a flag that disagrees with "
         "its variable or the command line stops the start.",
     )
+    dynamo_namespace: str = Field(
+        "nim",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        validation_alias=_env("NIM_DYNAMO_NAMESPACE"),
+        description="Dynamo roles (dynamo-worker, dynamo-router): the Dynamo namespace the workers register "
+        "in and the router routes over (endpoint <namespace>.backend.generate); one per deployment.",
+    )
+    dynamo_discovery: Literal["file", "etcd", "kubernetes"] = Field(
+        "file",
+        validation_alias=_env("NIM_DYNAMO_DISCOVERY"),
+        description="Dynamo roles: how workers and the router find each other: file (a directory every "
+        "process shares, DYN_FILE_KV; one machine or a shared volume), etcd (ETCD_ENDPOINTS) or kubernetes "
+        "(the pods' API objects). Requests go over TCP and KV events over ZMQ either way (no NATS).",
+    )
+    dynamo_file_kv: Path | None = Field(
+        None,
+        validation_alias=_env("DYN_FILE_KV"),
+        description="Dynamo's own variable: the file-discovery directory (read by Dynamo; shown in the "
+        "start-up line). Unset: Dynamo's default under the system temp directory.",
+    )
+    dynamo_router_mode: Literal["kv", "round-robin"] = Field(
+        "kv",
+        validation_alias=_env("NIM_DYNAMO_ROUTER_MODE"),
+        description="dynamo-router: kv sends each request to the worker whose prefix cache holds most of "
+        "its prompt (Dynamo's KV router, fed by the workers' KV events); round-robin takes turns.",
+    )
+    dynamo_router_track_active_blocks: bool = Field(
+        False,
+        validation_alias=_env("NIM_DYNAMO_ROUTER_TRACK_ACTIVE_BLOCKS"),
+        description="dynamo-router, kv mode: also weigh each worker by the KV blocks of the requests in "
+        "flight on it (Dynamo's default, on). Off here: under concurrency it sent conversations away "
+        "from the worker holding their prefix (bench/README.md).",
+    )
     enable_otel: bool | None = Field(
         None,
         validation_alias=_env("NIM_ENABLE_OTEL"),

@@ -10,8 +10,10 @@ import random
 
 import pytest
 
-from service.engine.protocol import SamplingParams
-from service.engine.torch.block_pool import ROOT_HASH, Block, BlockPool, hash_block
+from service.engine.kv_events import KVEventLog
+from service.engine.protocol import KVBlocksRemoved, KVBlockStored, KVCacheCleared, SamplingParams
+from service.engine.torch.block_pool import ROOT_HASH, Block, BlockPool, event_id, hash_block
+from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.request import Request
 
 
@@ -523,3 +525,105 @@ def test_random_operations_against_a_shadow_model(enable_caching: bool) -> None:
     pool.release(held)
     pool.check_invariants()
     assert pool.num_free == n
+
+
+# ------------------------------------------------------------------------------------------------
+# the event log a KV-aware router follows (Engine.kv_events; service/dynamo publishes it)
+
+
+def _router_view(events: list, view: dict[int, int | None] | None = None) -> dict[int, int | None]:
+    """Replay events as a router indexes them: id -> parent id, refusing what a router refuses."""
+    view = {} if view is None else view
+    for event in events:
+        if isinstance(event, KVBlockStored):
+            assert event.parent_hash is None or event.parent_hash in view, "stored before its parent"
+            view[event.block_hash] = event.parent_hash
+        elif isinstance(event, KVBlocksRemoved):
+            for block_id in event.block_hashes:
+                assert block_id in view, "removed before it was stored"
+                del view[block_id]
+        else:
+            assert isinstance(event, KVCacheCleared)
+            view.clear()
+    return view
+
+
+def test_event_log_records_stores_evictions_forgets_and_resets_in_order() -> None:
+    log = KVEventLog()
+    pool = BlockPool(2, events=log)
+    a, b = pool.allocate(2)
+    pool.register(a, h(1), None, [1, 2], None)
+    pool.register(b, h(2), h(1), [3, 4], "ad1")
+    assert log.drain() == [
+        KVBlockStored(event_id(h(1)), None, (1, 2), None),
+        KVBlockStored(event_id(h(2)), event_id(h(1)), (3, 4), "ad1"),
+    ]
+    assert log.drain() == []  # drained once
+    pool.register(b, h(3))  # already holds h(2): no second store
+    pool.release([b, a])
+    (c,) = pool.allocate(1)  # evicts b (released first)
+    assert log.drain() == [KVBlocksRemoved((event_id(h(2)),))]
+    pool.forget(a)  # a still cached (free): unpublished
+    pool.forget(a)  # nothing left to unpublish
+    assert log.drain() == [KVBlocksRemoved((event_id(h(1)),))]
+    pool.register(c, h(4))
+    pool.reset_cache()
+    events = log.drain()
+    assert events[-1] == KVCacheCleared() and len(events) == 2
+    assert -(2**63) <= event_id(h(4)) < 2**63
+
+
+def test_event_log_overflow_starts_over_with_a_clear() -> None:
+    log = KVEventLog(capacity=3)
+    log.extend(KVBlocksRemoved((i,)) for i in range(5))
+    assert log.overflows == 1
+    assert log.drain() == [KVCacheCleared(), KVBlocksRemoved((3,)), KVBlocksRemoved((4,))]
+
+
+def test_manager_publishes_each_full_block_after_its_parent_with_its_tokens() -> None:
+    log = KVEventLog()
+    kv = KVCacheManager(BlockPool(8, events=log), 4)
+    request = Request("r", list(range(10)), 10, SamplingParams(max_tokens=4), 0.0, adapter="ad1")
+    assert kv.allocate(request, 10)
+    request.num_computed_tokens = 10
+    kv.register_full_blocks(request)
+    first, second = request.full_block_hashes(4)
+    assert log.drain() == [
+        KVBlockStored(event_id(first), None, (0, 1, 2, 3), "ad1"),
+        KVBlockStored(event_id(second), event_id(first), (4, 5, 6, 7), "ad1"),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_requests_keep_the_router_view_equal_to_the_cache(seed: int) -> None:
+    """Requests with shared prefixes come and go through a small pool (evictions, discards, a
+    reset): replaying the log as a router would never meets a child before its parent or an
+    unknown removal, and ends with exactly the blocks the pool has cached, linked to their parents."""
+    rng = random.Random(seed)
+    log = KVEventLog()
+    pool = BlockPool(12, events=log)
+    kv = KVCacheManager(pool, 4)
+    view: dict[int, int | None] = {}
+    prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
+    live: list[Request] = []
+    for step in range(300):
+        if live and (rng.random() < 0.45 or len(live) > 3):
+            done = live.pop(rng.randrange(len(live)))
+            kv.free(done, discard=rng.random() < 0.1)
+        else:
+            tokens = [*rng.choice(prefixes), *(rng.randrange(50) for _ in range(rng.randrange(1, 9)))]
+            request = Request(f"r{step}", tokens, len(tokens), SamplingParams(max_tokens=1), 0.0)
+            prefix = kv.cached_prefix(request)
+            if kv.allocate(request, len(tokens) - len(prefix) * 4, prefix):
+                request.num_computed_tokens = len(tokens)
+                kv.register_full_blocks(request)
+                live.append(request)
+        if step == 150:
+            pool.reset_cache()
+        _router_view(log.drain(), view)
+        pool.check_invariants()
+        assert set(view) == {event_id(hash_) for hash_ in pool._cached}
+    for request in live:
+        for i, hash_ in enumerate(request.full_block_hashes(4)[: request.num_computed_tokens // 4]):
+            if hash_ in pool._cached and i:
+                assert view[event_id(hash_)] == event_id(request.full_block_hashes(4)[i - 1])

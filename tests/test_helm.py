@@ -145,6 +145,20 @@ SCENARIOS: dict[str, Obj] = {
     },
     "nim-llm-minimal": nim_llm_values("minimal"),
     "nim-llm-full": nim_llm_values("full"),
+    # NVIDIA Dynamo: 3 workers (the StatefulSet) and the router Deployment, with auth, TLS and a policy
+    "dynamo": {
+        "dynamo": {
+            "enabled": True,
+            "etcdEndpoints": "http://etcd.dynamo.svc:2379",
+            "router": {"replicas": 2},
+        },
+        "workload": {"replicas": 3},
+        "auth": {"apiKeySecret": {"name": "nim-api-keys"}},
+        "tls": {"mode": "TLS", "secretName": "nim-tls"},
+        "networkPolicy": {"enabled": True, "allowAllEgress": False},
+        "tracing": {"otlpEndpoint": "http://otel:4318"},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
     "everything": {
         "model": {
             "path": "meta-llama/Llama-3.1-8B-Instruct",
@@ -235,9 +249,15 @@ class Rendered:
 
     @property
     def workload(self) -> Obj:
-        found = [o for o in self.objects if o["kind"] in WORKLOAD_KINDS]
+        found = [o for o in self.objects if o["kind"] in WORKLOAD_KINDS and o is not self.router]
         assert len(found) == 1, [o["kind"] for o in found]
         return found[0]
+
+    @property
+    def router(self) -> Obj | None:
+        """dynamo.enabled: the router's Deployment (the API), beside the workers' workload."""
+        found = [o for o in self.objects if o["metadata"]["name"].endswith("-router")]
+        return found[0] if found else None
 
     @property
     def pod_spec(self) -> Obj:
@@ -352,6 +372,7 @@ def test_helm_sdk_is_real_helm() -> None:
         "everything",
         "nim-llm-minimal",
         "nim-llm-full",
+        "dynamo",
     ],
 )
 def test_lint_is_clean(name: str) -> None:
@@ -517,6 +538,27 @@ def test_every_object_is_valid_kubernetes(name: str) -> None:
             {"model": {"loraSource": "/loras", "lora": {"maxGpuLoras": 8, "maxCpuLoras": 4}}},
             ["model.lora.maxCpuLoras (4) is below model.lora.maxGpuLoras (8)"],
             id="lora-host-below-device",
+        ),
+        pytest.param(
+            {"dynamo": {"enabled": True}}, ["dynamo.enabled needs dynamo.etcdEndpoints"], id="dynamo-etcd"
+        ),
+        pytest.param(
+            {
+                "dynamo": {"enabled": True, "etcdEndpoints": "http://e:2379"},
+                "inferencePool": {"enabled": True},
+            },
+            ["Dynamo's KV router chooses the worker"],
+            id="dynamo-inference-pool",
+        ),
+        pytest.param(
+            {"dynamo": {"enabled": True, "etcdEndpoints": "http://e:2379"}, "autoscaling": {"enabled": True}},
+            ["Dynamo workers do not serve"],
+            id="dynamo-autoscaling",
+        ),
+        pytest.param(
+            {"dynamo": {"router": {"mode": "random"}}},
+            ["/dynamo/router/mode", "'kv', 'round-robin'"],
+            id="dynamo-router-mode",
         ),
     ],
 )
@@ -1660,3 +1702,48 @@ def test_nim_llm_keys_this_chart_cannot_honour_are_refused(values: Obj, expected
     message = render_error(values)
     for fragment in expected:
         assert fragment in message, message
+
+
+# ---------------------------------------------------------------- NVIDIA Dynamo
+
+
+def test_dynamo_runs_workers_and_a_router_in_front_of_them() -> None:
+    rendered = scenario("dynamo")
+    workers, router = rendered.workload, rendered.router
+    assert router is not None and router["kind"] == "Deployment" and router["spec"]["replicas"] == 2
+    assert workers["kind"] == "StatefulSet" and workers["spec"]["replicas"] == 3
+    worker, api = rendered.server, router["spec"]["template"]["spec"]["containers"][0]
+    assert worker["args"] == ["dynamo-worker"] and api["args"] == ["dynamo-router"]
+    shared = {"NIM_DYNAMO_NAMESPACE": f"{RELEASE}-nim-torch", "NIM_DYNAMO_DISCOVERY": "etcd",
+              "ETCD_ENDPOINTS": "http://etcd.dynamo.svc:2379"}  # fmt: skip
+    for container in (worker, api):
+        assert {name: env_value(container, name) for name in shared} == shared
+    # each role gets the settings it reads: the API's (auth, TLS, tracing, the drain) only the router
+    api_only = ("NIM_API_KEY", "NIM_SSL_MODE", "OTEL_EXPORTER_OTLP_ENDPOINT", "NIM_SERVER_PORT")
+    assert all(name in env_of(api) and name not in env_of(worker) for name in api_only)
+    assert env_value(api, "NIM_DYNAMO_ROUTER_MODE") == "kv"
+    assert env_value(worker, "DYN_SYSTEM_PORT") == "8000" and "DYN_SYSTEM_PORT" not in env_of(api)
+    # a worker has no HTTP API: its probes ask Dynamo's status server; the router's are the API's
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http-openai", "scheme": "HTTP"}
+    for probe in ("readinessProbe", "startupProbe"):
+        assert worker[probe]["httpGet"]["path"] == "/health"
+        assert api[probe]["httpGet"] == {"path": "/v1/health/ready", "port": "http-openai", "scheme": "HTTPS"}
+    # no GPU for the router; the Service (and so the ServiceMonitor and helm test) reaches it, not a worker
+    assert "nvidia.com/gpu" not in json.dumps(api["resources"])
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    worker_labels = workers["spec"]["template"]["metadata"]["labels"]
+    main, headless = services(rendered)
+    selector = main["spec"]["selector"]
+    assert selector.items() <= router_labels.items() and not selector.items() <= worker_labels.items()
+    assert not workers["spec"]["selector"]["matchLabels"].items() <= router_labels.items()
+    assert headless is not None and headless["spec"]["selector"].items() <= worker_labels.items()
+    # the workers let the router in on the ports they pick, and stream back to it
+    policy = rendered.one("NetworkPolicy")["spec"]
+    router_peer = {"podSelector": {"matchLabels": main["spec"]["selector"]}}
+    assert {"from": [router_peer]} in policy["ingress"] and {"to": [router_peer]} in policy["egress"]
+
+
+def test_dynamo_is_off_by_default() -> None:
+    rendered = scenario("defaults")
+    assert rendered.router is None and "args" not in rendered.server
+    assert not any(name.startswith(("NIM_DYNAMO", "DYN_", "ETCD")) for name in env_of(rendered.server))

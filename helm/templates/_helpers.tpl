@@ -55,7 +55,7 @@ type label the Gateway API Inference Extension's endpoint picker reads.
 {{- define "nim-torch.podLabels" -}}
 {{- $labels := deepCopy (.Values.podLabels | default dict) }}
 {{- $labels = merge (include "nim-torch.labels" . | fromYaml) $labels }}
-{{- $_ := set $labels "app.kubernetes.io/component" "server" }}
+{{- $_ := set $labels "app.kubernetes.io/component" (ternary "dynamo-worker" "server" .Values.dynamo.enabled) }}
 {{- with .Values.inferencePool.engineType }}
 {{- $_ := set $labels "inference.networking.k8s.io/engine-type" . }}
 {{- end }}
@@ -278,7 +278,13 @@ One probe from its values object: httpGet (HTTP/HTTPS) or, for MTLS, exec.
 {{- define "nim-torch.probe" -}}
 {{- $root := index . 0 }}
 {{- $probe := index . 1 }}
-{{- if eq $root.Values.tls.mode "MTLS" }}
+{{- if and (gt (len .) 2) $root.Values.dynamo.enabled }}
+{{- /* a Dynamo worker: Dynamo's status server, plain HTTP on the container port */}}
+httpGet:
+  path: {{ index . 2 }}
+  port: http-openai
+  scheme: HTTP
+{{- else if eq $root.Values.tls.mode "MTLS" }}
 exec:
   command: {{ include "nim-torch.mtlsProbeCommand" (list $root $probe.path) }}
 {{- else }}
@@ -299,7 +305,19 @@ The container's environment: what the chart derives from values, then env and ex
 with the same name replaces an earlier one, so the list has no duplicates (server-side apply rejects them).
 */}}
 {{- define "nim-torch.env" -}}
-{{- $v := .Values }}
+{{- include "nim-torch.envFor" (list . (ternary "worker" "server" .Values.dynamo.enabled)) }}
+{{- end }}
+
+{{/*
+The environment of one role: "server" (`serve`), or with dynamo.enabled "worker" (the engine: no API
+settings) and "router" (the API: no engine settings), each with Dynamo's discovery settings.
+*/}}
+{{- define "nim-torch.envFor" -}}
+{{- $root := index . 0 }}
+{{- $role := index . 1 }}
+{{- $api := ne $role "worker" }}
+{{- $engine := ne $role "router" }}
+{{- $v := $root.Values }}
 {{- $m := $v.model }}
 {{- $env := list }}
 {{- $env = append $env (dict "name" "NIM_CACHE_PATH" "value" $m.nimCache) }}
@@ -308,18 +326,21 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- $cache := $m.nimCache | trimSuffix "/" }}
 {{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $cache)) }}
 {{- $env = append $env (dict "name" "XDG_CACHE_HOME" "value" (printf "%s/xdg" $cache)) }}
+{{- if $api }}
 {{- $env = append $env (dict "name" "NIM_SERVER_PORT" "value" ($m.openaiPort | toString)) }}
 {{- $env = append $env (dict "name" "NIM_SHUTDOWN_GRACE_SECONDS" "value" ($m.shutdownGraceSeconds | toString)) }}
+{{- end }}
 {{- $env = append $env (dict "name" "NIM_LOG_LEVEL" "value" $m.logLevel) }}
 {{- $env = append $env (dict "name" "NIM_JSONL_LOGGING" "value" (ternary "1" "0" $m.jsonLogging)) }}
 {{- with $m.path }}
 {{- $env = append $env (dict "name" "NIM_MODEL_NAME" "value" .) }}
 {{- end }}
+{{- with include "nim-torch.servedName" $root }}
+{{- $env = append $env (dict "name" "NIM_SERVED_MODEL_NAME" "value" .) }}
+{{- end }}
+{{- if $engine }}
 {{- with $m.profile }}
 {{- $env = append $env (dict "name" "NIM_MODEL_PROFILE" "value" .) }}
-{{- end }}
-{{- with include "nim-torch.servedName" . }}
-{{- $env = append $env (dict "name" "NIM_SERVED_MODEL_NAME" "value" .) }}
 {{- end }}
 {{- if not (kindIs "invalid" $m.maxModelLen) }}
 {{- $env = append $env (dict "name" "NIM_MAX_MODEL_LEN" "value" ($m.maxModelLen | int | toString)) }}
@@ -342,10 +363,11 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
 {{- if $m.hfHubOffline }}
 {{- $env = append $env (dict "name" "HF_HUB_OFFLINE" "value" "1") }}
 {{- end }}
-{{- with include "nim-torch.hfTokenSecretName" . }}
+{{- with include "nim-torch.hfTokenSecretName" $root }}
 {{- $keyRef := dict "name" . "key" $m.hfTokenSecret.key }}
 {{- if not $m.hfTokenSecret.name }}
 {{- /* From the nim-llm alias: that Secret usually holds NGC_API_KEY only, and a missing key must not
@@ -354,11 +376,12 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- end }}
 {{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" $keyRef)) }}
 {{- end }}
+{{- if $api }}
 {{- with $v.auth.apiKeySecret.name }}
 {{- $ref := dict "secretKeyRef" (dict "name" . "key" $v.auth.apiKeySecret.key) }}
 {{- $env = append $env (dict "name" "NIM_API_KEY" "valueFrom" $ref) }}
 {{- end }}
-{{- if include "nim-torch.tlsEnabled" . }}
+{{- if include "nim-torch.tlsEnabled" $root }}
 {{- $dir := $v.tls.mountPath }}
 {{- $env = append $env (dict "name" "NIM_SSL_MODE" "value" $v.tls.mode) }}
 {{- $env = append $env (dict "name" "NIM_SSL_KEY_PATH" "value" (printf "%s/tls.key" $dir)) }}
@@ -369,8 +392,23 @@ with the same name replaces an earlier one, so the list has no duplicates (serve
 {{- end }}
 {{- with $v.tracing.otlpEndpoint }}
 {{- $env = append $env (dict "name" "OTEL_EXPORTER_OTLP_ENDPOINT" "value" .) }}
-{{- $svc := $v.tracing.serviceName | default (include "nim-torch.fullname" $) }}
+{{- $svc := $v.tracing.serviceName | default (include "nim-torch.fullname" $root) }}
 {{- $env = append $env (dict "name" "OTEL_SERVICE_NAME" "value" $svc) }}
+{{- end }}
+{{- end }}
+{{- if ne $role "server" }}
+{{- $d := $v.dynamo }}
+{{- $env = append $env (dict "name" "NIM_DYNAMO_NAMESPACE" "value" (include "nim-torch.dynamoNamespace" $root)) }}
+{{- $env = append $env (dict "name" "NIM_DYNAMO_DISCOVERY" "value" "etcd") }}
+{{- $env = append $env (dict "name" "ETCD_ENDPOINTS" "value" $d.etcdEndpoints) }}
+{{- if eq $role "worker" }}
+{{- /* Dynamo's status server (/live, /health, /metrics) on the container port: the worker's probes */}}
+{{- $env = append $env (dict "name" "DYN_SYSTEM_PORT" "value" ($m.openaiPort | toString)) }}
+{{- $env = append $env (dict "name" "DYN_SYSTEM_HOST" "value" "0.0.0.0") }}
+{{- else }}
+{{- $env = append $env (dict "name" "NIM_DYNAMO_ROUTER_MODE" "value" $d.router.mode) }}
+{{- $env = append $env (dict "name" "NIM_DYNAMO_ROUTER_TRACK_ACTIVE_BLOCKS" "value" (ternary "1" "0" $d.router.trackActiveBlocks)) }}
+{{- end }}
 {{- end }}
 {{- $all := concat $env ($v.env | default list) ($v.extraEnv | default list) }}
 {{- $out := list }}
@@ -559,7 +597,35 @@ Checks that JSON schema cannot express; rendered from the workload so every inst
 {{- if and $v.model.loraSource (not (kindIs "invalid" $lora.maxGpuLoras)) (not (kindIs "invalid" $lora.maxCpuLoras)) (lt (int $lora.maxCpuLoras) (int $lora.maxGpuLoras)) }}
 {{- fail (printf "model.lora.maxCpuLoras (%v) is below model.lora.maxGpuLoras (%v): every adapter on the device is also kept in host memory, and the service refuses this at start." $lora.maxCpuLoras $lora.maxGpuLoras) }}
 {{- end }}
+{{- if $v.dynamo.enabled }}
+{{- if not $v.dynamo.etcdEndpoints }}
+{{- fail "dynamo.enabled needs dynamo.etcdEndpoints (ETCD_ENDPOINTS), the etcd through which Dynamo's workers and router find each other, e.g. http://etcd.dynamo.svc:2379" }}
+{{- end }}
+{{- if or $v.autoscaling.enabled $v.keda.enabled }}
+{{- fail "dynamo.enabled with autoscaling or keda: they scale on the API's vLLM series, which Dynamo workers do not serve; scale workload.replicas (or use Dynamo's planner)" }}
+{{- end }}
+{{- if $v.inferencePool.enabled }}
+{{- fail "dynamo.enabled with inferencePool.enabled: Dynamo's KV router chooses the worker, so a gateway's endpoint picker has nothing to choose; enable one of them" }}
+{{- end }}
+{{- end }}
 {{- if and $v.metrics.serviceMonitor.enabled (eq $v.tls.mode "MTLS") (not $v.metrics.serviceMonitor.tlsConfig) }}
 {{- fail "metrics.serviceMonitor.enabled with tls.mode=MTLS needs metrics.serviceMonitor.tlsConfig with a client certificate config (ca, cert and keySecret, e.g. from the tls.clientSecretName Secret): the server refuses scrapes without a client certificate." }}
 {{- end }}
+{{- end }}
+
+{{/*
+Dynamo: the namespace workers and router share, and the router pods' selector labels (a name of their
+own, so the workload's selector, which must never change, does not match them).
+*/}}
+{{- define "nim-torch.dynamoNamespace" -}}
+{{- .Values.dynamo.namespace | default (include "nim-torch.fullname" .) }}
+{{- end }}
+
+{{- define "nim-torch.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "nim-torch.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "nim-torch.routerName" -}}
+{{- printf "%s-router" (include "nim-torch.fullname" . | trunc 56 | trimSuffix "-") }}
 {{- end }}

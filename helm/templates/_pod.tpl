@@ -41,9 +41,11 @@ spec:
       command:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with $v.args }}
+      {{- if $v.args }}
       args:
-        {{- toYaml . | nindent 8 }}
+        {{- toYaml $v.args | nindent 8 }}
+      {{- else if $v.dynamo.enabled }}
+      args: ["dynamo-worker"]
       {{- end }}
       ports:
         - name: http-openai
@@ -65,15 +67,15 @@ spec:
         {{- toYaml $v.securityContext | nindent 8 }}
       {{- if $v.startupProbe.enabled }}
       startupProbe:
-        {{- include "nim-torch.probe" (list . $v.startupProbe) | trim | nindent 8 }}
+        {{- include "nim-torch.probe" (list . $v.startupProbe "/health") | trim | nindent 8 }}
       {{- end }}
       {{- if $v.livenessProbe.enabled }}
       livenessProbe:
-        {{- include "nim-torch.probe" (list . $v.livenessProbe) | trim | nindent 8 }}
+        {{- include "nim-torch.probe" (list . $v.livenessProbe "/live") | trim | nindent 8 }}
       {{- end }}
       {{- if $v.readinessProbe.enabled }}
       readinessProbe:
-        {{- include "nim-torch.probe" (list . $v.readinessProbe) | trim | nindent 8 }}
+        {{- include "nim-torch.probe" (list . $v.readinessProbe "/health") | trim | nindent 8 }}
       {{- end }}
       {{- with (include "nim-torch.lifecycle" .) }}
       lifecycle:

@@ -110,6 +110,8 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
                 404, f"The lora adapter '{name}' cannot be found.", "invalid_request_error", "lora_name",
                 "not_found",
             ) from None  # fmt: skip
+        except AdapterError as exc:  # an engine that cannot unload by name says why
+            raise invalid_request(str(exc), "lora_name") from None
         except EngineDeadError as exc:
             raise request.app.state.service.dead_engine_error(exc) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -26,6 +26,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     GenerationRequest,
+    KVEvent,
     RequestOutput,
     RequestRefusedError,
 )
@@ -129,6 +130,9 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.core.kv_events()
 
     # --- The driving thread ------------------------------------------------------------------------
 

@@ -126,6 +126,9 @@ class KVCacheConfig:
     memory_fraction: float | None  # share of free memory after weights; None: the engine's default
     max_tokens: int | None  # cap in tokens (the smaller of this and the share wins)
     enable_prefix_caching: bool
+    # Record the prefix cache's stored / removed blocks for Engine.kv_events (a Dynamo worker
+    # publishes them to its KV-aware router); off when nobody drains them.
+    record_events: bool = False
 
 
 DEFAULT_MAX_LORA_RANK = 32

@@ -25,7 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.engine.protocol import AdapterCatalog, EngineInfo, EngineStats, GenerationRequest, RequestOutput
+from service.engine.protocol import (
+    AdapterCatalog,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    KVEvent,
+    RequestOutput,
+)
 from service.text.tokenizer import Tokenizer
 
 
@@ -107,6 +114,10 @@ class EngineCore(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def kv_events(self) -> list[KVEvent]:
+        """The prefix cache's events since the last call (Engine.kv_events); any thread."""
+        ...
 
     def death(self, error: BaseException) -> tuple[str, BaseException]:
         """What killed the core, in one line (with a dead tensor-parallel rank's cause), and the

@@ -78,6 +78,11 @@ class OutputProcessor:
             return text + tail, reason
         return text, None
 
+    def finish(self, reason: FinishReason) -> tuple[str, FinishReason]:
+        """The engine ended the request for `reason` (a stop or length this side did not see):
+        the text held back, and the reason (a stop string in that text makes it "stop")."""
+        return self._finish(reason)
+
     def _finish(self, reason: FinishReason) -> tuple[str, FinishReason]:
         text, stopped = self.stop_strings.feed(self.detokenizer.flush())
         if stopped:

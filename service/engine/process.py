@@ -58,6 +58,7 @@ from typing import Literal
 from service.engine.child import Child, ChildStartError
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.core import Abort, Stop, Submit
+from service.engine.kv_events import KVEventLog
 from service.engine.lora_store import UnknownAdapterError
 from service.engine.process_core import (
     AdapterChanged,
@@ -80,6 +81,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     GenerationRequest,
+    KVEvent,
     LoadedEngine,
     RequestOutput,
 )
@@ -252,6 +254,7 @@ class ProcessEngine:
         self._starting: _Call | None = None
         self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._stats = EngineStats()
+        self._kv_events = KVEventLog()  # received in order, until kv_events() drains them
         self._ready = False
         self._exit_expected = False  # stopping, or start failed: its exit is no death
         self._death: Died | None = None
@@ -351,6 +354,9 @@ class ProcessEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def kv_events(self) -> list[KVEvent]:
+        return self._kv_events.drain()
+
     # --- Writer thread: messages to the engine, a batch at a time -------------------------------------
 
     def _write(self) -> None:
@@ -394,6 +400,8 @@ class ProcessEngine:
                 self._stats = message.stats
             if message.adapters is not None and self.adapters is not None:
                 self.adapters.update(message.adapters)
+            if message.kv_events:
+                self._kv_events.extend(message.kv_events)
             if message.outputs:
                 self._streams.deliver(message.outputs)
         elif isinstance(message, Checked):

@@ -35,6 +35,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     GenerationRequest,
+    KVEvent,
     RequestOutput,
     RequestRefusedError,
 )
@@ -104,11 +105,13 @@ class Started:
 @dataclass(frozen=True)
 class Update:
     """One round's outputs (any number of requests), with the stats and adapter names where they
-    changed since the last Update (None: unchanged)."""
+    changed since the last Update (None: unchanged), and the prefix cache's KV events since the
+    last Update (in order; empty unless the engine records them)."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
     adapters: tuple[str, ...] | None = None
+    kv_events: tuple[KVEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -320,17 +323,17 @@ class EngineProcess:
     # --- To the API process -------------------------------------------------------------------------
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        stats, adapters = self._changes()
-        self.send(Update(outputs, stats, adapters))
+        self.send(Update(outputs, *self._changes()))
 
     def _tick(self) -> None:
         """Stats (and adapter names) that changed while no output flowed: a rescan, a wake."""
-        stats, adapters = self._changes()
-        if stats is not None or adapters is not None:
-            self.send(Update([], stats, adapters))
+        stats, adapters, kv_events = self._changes()
+        if stats is not None or adapters is not None or kv_events:
+            self.send(Update([], stats, adapters, kv_events))
 
-    def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None]:
-        """The stats and adapter names, each where it changed since it was last sent (else None)."""
+    def _changes(self) -> tuple[EngineStats | None, tuple[str, ...] | None, tuple[KVEvent, ...]]:
+        """The stats and adapter names, each where it changed since it was last sent (else None),
+        and the KV events not sent yet."""
         assert self.core is not None
         stats: EngineStats | None = self.core.stats()
         if stats is self.sent_stats:
@@ -342,7 +345,7 @@ class EngineProcess:
             adapters = None
         else:
             self.sent_adapters = adapters
-        return stats, adapters
+        return stats, adapters, tuple(self.core.kv_events())
 
     def _adapter_names(self) -> tuple[str, ...] | None:
         catalog = self.core.adapters if self.core is not None else None

@@ -236,6 +236,40 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class KVBlockStored:
+    """A full block entered the prefix cache: other requests may now reuse its keys and values.
+
+    Ids are signed 64-bit integers (the first 8 bytes of the block's chained content hash), so a
+    block's id also names the tokens before it; `parent_hash` is the id of the block before it in
+    its sequence (None: the first block). The block's own tokens and the LoRA adapter it was
+    computed with (None: the base model) say what it holds.
+    """
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class KVBlocksRemoved:
+    """Blocks left the prefix cache (evicted for new contents, or discarded)."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheCleared:
+    """Every block left the prefix cache (a reset), or the events between were lost."""
+
+
+# What an engine's prefix cache did, in the order it did it (Engine.kv_events), for a KV-aware
+# router (service.dynamo): a block is always stored after its parent, and removed only after it
+# was stored.
+KVEvent = KVBlockStored | KVBlocksRemoved | KVCacheCleared
+
+
+@dataclass(frozen=True)
 class EngineFeatures:
     """Request features an engine implements; the API refuses the others with a 400."""
 
@@ -331,6 +365,12 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats:
         """The latest snapshot; cheap, callable from any thread."""
+        ...
+
+    def kv_events(self) -> list[KVEvent]:
+        """The prefix cache's events since the last call, oldest first (drained: each is returned
+        once). Empty unless the engine was loaded with `KVCacheConfig.record_events`, and always
+        empty for an engine without a prefix cache of its own to report."""
         ...
 
 

@@ -30,6 +30,7 @@ from service.engine.protocol import (
     EngineStats,
     GenerationRequest,
     Histogram,
+    KVEvent,
     RequestOutput,
 )
 from service.telemetry.metrics import Metrics, RequestTimes
@@ -204,6 +205,9 @@ class MeteredEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.engine.kv_events()
 
     async def check(self, request: GenerationRequest) -> None:
         await self.engine.check(request)

@@ -41,6 +41,7 @@ import torch
 from service.engine.config import GuidedLimits
 from service.engine.guided.compiler import CompileJob, GrammarCompiler
 from service.engine.guided.specs import GrammarError
+from service.engine.kv_events import KVEventLog
 from service.engine.lora_store import LoraStore
 from service.engine.models.base import CausalLM
 from service.engine.output import OutputProcessor
@@ -49,6 +50,7 @@ from service.engine.protocol import (
     EngineStats,
     ErrorCause,
     GenerationRequest,
+    KVEvent,
     RequestOutput,
     RequestRefusedError,
     SamplingParams,
@@ -92,6 +94,7 @@ class TorchEngineConfig:
     enforce_eager: bool = False  # NIM_ENFORCE_EAGER: no CUDA graphs, no TorchScript step
     unified_attention: bool = True  # NIM_UNIFIED_ATTENTION: the unified kernel may run (CUDA, checked)
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
+    record_kv_events: bool = False  # the prefix cache logs its events for kv_events()
 
 
 class TorchEngineCore:
@@ -117,7 +120,8 @@ class TorchEngineCore:
         self._tokenizer = tokenizer
         self.config = config
         self._info = info
-        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        events = KVEventLog() if config.record_kv_events else None
+        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching, events=events)
         self.kv = KVCacheManager(self.pool, config.kv_spec.block_size)
         self.kv_pool = KVPool(config.kv_spec, config.num_blocks, config.device)
         self._wake: Callable[[], None] = lambda: None  # the driver's, once started
@@ -167,6 +171,9 @@ class TorchEngineCore:
 
     def stats(self) -> EngineStats:
         return self.stats_publisher.snapshot
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.pool.events.drain() if self.pool.events is not None else []
 
     def prepare(self, request: GenerationRequest) -> CompileJob | None:
         """The API has validated the sampling fields; what is left is the adapter and the grammar,

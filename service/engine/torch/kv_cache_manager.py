@@ -105,8 +105,11 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = request.full_block_hashes(self.block_size)
+        size = self.block_size
         for i in range(done, num_full):
-            self.pool.register(table[i], hashes[i])
+            parent = hashes[i - 1] if i else None
+            tokens = request.token_ids[i * size : (i + 1) * size] if self.pool.events is not None else ()
+            self.pool.register(table[i], hashes[i], parent, tokens, request.adapter)
         self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request, discard: bool = False) -> None:

@@ -168,6 +168,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         enforce_eager=config.enforce_eager,  # the engine's decode path decides the rest, once
         unified_attention=config.unified_attention,
         guided=config.guided,
+        record_kv_events=config.kv_cache.record_events,
     )
     quantized = config.precision not in FLOAT_PRECISIONS
     info = EngineInfo(

@@ -43,6 +43,7 @@ from service.engine.protocol import (
     ErrorCause,
     FinishReason,
     GenerationRequest,
+    KVEvent,
     RequestOutput,
     RequestRefusedError,
     TokenLogprob,
@@ -193,6 +194,11 @@ class TrtllmEngine:
             num_waiting=min(stats.num_waiting, in_flight - running),
             kv_blocks_used=stats.kv_blocks_used if in_flight else 0,
         )
+
+    def kv_events(self) -> list[KVEvent]:
+        """None: TensorRT-LLM's KV cache events are not read here (a Dynamo worker of this engine
+        is routed by load only, as its start-up log says)."""
+        return []
 
     # --- mapping ----------------------------------------------------------------------------------
 
