@@ -267,7 +267,7 @@ def test_worker_card_survives_json() -> None:
     paths = (PathChoice("cuda_graphs", False, "cpu", "X"),)
     features = EngineFeatures(guided_decoding=True)
     info = EngineInfo("torch", "llama", 8192, 49152, "fp32", "native", "float32", 16, 1300, "cpu", 1,
-                      features, 0, 64, paths)  # fmt: skip
+                      features, 0, 64, "float32", paths)  # fmt: skip
     card = WorkerCard("m", info, "id", "name", {"tp": 1}, ("why",), ("ad1",), 49152)
     assert WorkerCard.from_json(json.loads(json.dumps(card.to_json()))) == card
 

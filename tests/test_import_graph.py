@@ -17,6 +17,8 @@ ABOVE_THE_ENGINE = {"service.selection", "service.api", "service.serving", "serv
 def _modules() -> dict[str, Path]:
     modules = {}
     for path in SERVICE.rglob("*.py"):
+        if path.name == "__main__.py":  # an entry point (python -m), imported by nothing: above every layer
+            continue
         name = ".".join(path.relative_to(SERVICE.parent).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     return modules

@@ -12,7 +12,8 @@ import pytest
 
 from service.engine.config import LoraConfig
 from service.engine.lora import AdapterError, LoraAdapter, read_adapter
-from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
+from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError
+from service.engine.protocol import UnknownAdapterError
 from tests.test_lora import CONFIG, lie_about_offsets, poison, truncate, write_adapter
 
 

@@ -29,9 +29,13 @@ from pydantic import BaseModel, ConfigDict
 
 from service.api.errors import APIError, ErrorResponse, invalid_request
 from service.api.state import ServiceState
-from service.engine.lora import AdapterError
-from service.engine.lora_store import AdapterExistsError, AdapterNotFoundError
-from service.engine.protocol import AdapterCatalog, EngineDeadError
+from service.engine.protocol import (
+    AdapterCatalog,
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    EngineDeadError,
+)
 
 log = logging.getLogger(__name__)
 

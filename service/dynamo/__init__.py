@@ -45,8 +45,8 @@ def missing() -> str | None:
 # Which Dynamo role reads each setting: "engine" (dynamo-worker), "api" (dynamo-router), or both. A
 # setting given to the role that does not read it is named in one warning line at start.
 _BOTH = (
-    "model_name", "served_model_name", "log_level", "jsonl_logging", "cache_path", "hf_token",
-    "hf_hub_offline",
+    "model_name", "model_path", "passthrough_args", "served_model_name", "log_level", "jsonl_logging",
+    "cache_path", "hf_token", "hf_hub_offline",
     "dynamo_namespace", "dynamo_discovery", "dynamo_file_kv", "max_guided_spec_bytes",
     "guided_compile_timeout_seconds", "guided_compile_workers", "guided_cache_bytes",
 )  # fmt: skip
@@ -56,7 +56,7 @@ _ENGINE = (
     "profile_type", "tensor_parallel_size", "system_info", "cuda_visible_devices", "enforce_eager",
     "unified_attention", "fp8_scaled_mm", "engine_process", "fused_kernels", "collective_timeout_seconds",
     "num_threads", "guided_decoding_backend", "peft_source", "peft_refresh_interval", "max_lora_rank",
-    "max_gpu_loras", "max_cpu_loras",
+    "max_gpu_loras", "max_cpu_loras", "lora_modules", "quantization",
 )  # fmt: skip
 _API = (
     "host", "port", "api_key", "api_keys_file", "cors_allow_origins", "cors_allow_methods",
@@ -65,7 +65,8 @@ _API = (
     "ssl_certs_path", "ssl_ca_certs_path", "shutdown_grace_seconds", "tool_call_parser", "chat_template",
     "trust_request_chat_template", "reasoning_parser", "enable_auto_tool_choice", "dynamo_router_mode",
     "dynamo_router_track_active_blocks", "enable_otel", "otel_exporter_otlp_endpoint",
-    "otel_exporter_otlp_traces_endpoint", "otel_traces_exporter", "otel_service_name",
+    "otel_exporter_otlp_traces_endpoint", "otel_traces_exporter", "otel_service_name", "cors_expose_headers",
+    "cors_max_age", "allow_runtime_lora_updating", "seed",
 )  # fmt: skip
 SETTING_ROLES: dict[str, str] = {
     **dict.fromkeys(_BOTH, "both"),

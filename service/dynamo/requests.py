@@ -256,9 +256,8 @@ def sampling_from_json(data: Any, vocab_size: int) -> SamplingParams:
         values = dict(data)
         guided = values.get("guided")
         if guided is not None:
-            values["guided"] = GuidedDecoding(
-                **{**guided, "start_after": tuple(guided.get("start_after", ()))}
-            )
+            tuples = {key: tuple(guided.get(key, ())) for key in ("start_after", "opens_with")}
+            values["guided"] = GuidedDecoding(**{**guided, **tuples})
         values["logit_bias"] = {int(t): float(b) for t, b in values.get("logit_bias", ())}
         for key in ("stop", "stop_token_ids"):
             values[key] = tuple(values.get(key, ()))

@@ -55,9 +55,9 @@ from service.dynamo import unused_settings
 from service.dynamo.cards import CARD_KEY, WorkerCard
 from service.dynamo.requests import from_chunk, to_dynamo
 from service.dynamo.worker import endpoint_path
-from service.engine.lora import AdapterError
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
+    AdapterError,
     EngineInfo,
     EngineStats,
     ErrorCause,

@@ -48,6 +48,7 @@ import torch
 from service.engine.models.base import ONE_PROCESS
 from service.engine.models.llama import PROJECTIONS
 from service.engine.models.registry import model_class
+from service.engine.protocol import AdapterError
 from service.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -70,10 +71,6 @@ _T = TypeVar("_T")
 _KEY = re.compile(
     r"base_model\.model\.(?P<path>model\.layers\.(?P<layer>\d+)\.(?P<module>[\w.]+))\.lora_(?P<part>[AB])\.weight"
 )
-
-
-class AdapterError(ValueError):
-    """An adapter this engine cannot serve; the message names it and says why."""
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,15 @@ from service.engine.config import LoraConfig
 from service.engine.lora import (
     ADAPTER_NAME,
     CONFIG_FILE,
-    AdapterError,
     LoraAdapter,
     read_adapter,
     scan_source,
+)
+from service.engine.protocol import (
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    UnknownAdapterError,
 )
 from service.model.config import ModelConfig
 
@@ -59,21 +64,6 @@ log = logging.getLogger(__name__)
 
 Reader = Callable[[Path, str], LoraAdapter]  # read_adapter with the model's config and rank limit
 Version = tuple[str, int, int]  # an adapter's files: where they are, last change (ns), total bytes
-
-
-class UnknownAdapterError(KeyError):
-    """No adapter of that name is served (never was, or removed from the source)."""
-
-    def __str__(self) -> str:  # KeyError's would be the quoted name alone
-        return f"adapter {self.args[0] if self.args else ''} is not served (not in the source, or removed)"
-
-
-class AdapterExistsError(ValueError):
-    """`add` of a name that is served already, without `replace`."""
-
-
-class AdapterNotFoundError(AdapterError):
-    """`add` of a path that holds no adapter (vLLM answers 404 for it)."""
 
 
 class NoFreeSlotError(RuntimeError):

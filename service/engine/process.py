@@ -59,7 +59,6 @@ from service.engine.child import Child, ChildStartError
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.core import Abort, Stop, Submit
 from service.engine.kv_events import KVEventLog
-from service.engine.lora_store import UnknownAdapterError
 from service.engine.process_core import (
     AdapterChanged,
     CancelCheck,
@@ -84,6 +83,7 @@ from service.engine.protocol import (
     KVEvent,
     LoadedEngine,
     RequestOutput,
+    UnknownAdapterError,
 )
 from service.engine.streams import Streams
 from service.logs import JSONLinesFormatter

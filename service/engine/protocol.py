@@ -374,6 +374,25 @@ class Engine(Protocol):
         ...
 
 
+class AdapterError(ValueError):
+    """An adapter this engine cannot serve; the message names it and says why."""
+
+
+class AdapterNotFoundError(AdapterError):
+    """`add` of a path that holds no adapter (vLLM answers 404 for it)."""
+
+
+class AdapterExistsError(ValueError):
+    """`add` of a name that is served already, without `replace`."""
+
+
+class UnknownAdapterError(KeyError):
+    """No adapter of that name is served (never was, or removed from the source)."""
+
+    def __str__(self) -> str:  # KeyError's would be the quoted name alone
+        return f"adapter {self.args[0] if self.args else ''} is not served (not in the source, or removed)"
+
+
 class AdapterCatalog(Protocol):
     """The LoRA adapters an engine serves (service.engine.lora_store.LoraStore)."""
 
@@ -391,7 +410,7 @@ class AdapterCatalog(Protocol):
         """Serve the adapter at `path` (inside the adapter source) as `name`, read and checked in
         full first; blocking (call it off the event loop). Raises AdapterExistsError (served
         already, `replace` unset), AdapterNotFoundError (no adapter there) or AdapterError (what
-        is wrong with the name, the path or the adapter), of service.engine.lora_store, in one line."""
+        is wrong with the name, the path or the adapter), in one line."""
         ...
 
     def remove(self, name: str) -> None:

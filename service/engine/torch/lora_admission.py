@@ -28,8 +28,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from service.engine.lora import LoraAdapter
-from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError, UnknownAdapterError
+from service.engine.lora_store import LoraStore, NoFreeSlotError, NotPreparedError
 from service.engine.models.lora_ops import NO_ADAPTER
+from service.engine.protocol import UnknownAdapterError
 from service.engine.torch.request import Request
 from service.util import one_line
 
