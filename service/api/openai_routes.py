@@ -226,11 +226,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ready = _ready_for(_state(request), body.model)
     reject_unsupported(body)
     limits = _state(request).limits
+    # A request's own template is compiled here (a second of CPU for the largest), off the event loop
+    tool_template = await asyncio.to_thread(_template, ready.tokenizer, body, limits, True)
     tools = tool_spec(
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        _template(ready.tokenizer, body, limits, tools=True),
+        tool_template,
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )
