@@ -61,11 +61,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ready = ready_for(state_of(request), body.model)
     reject_unsupported(body)
     limits = state_of(request).limits
+    # A request's own template is compiled here (a second of CPU for the largest), off the event loop
+    tool_template = await asyncio.to_thread(template_for, ready.tokenizer, body, limits, True)
     tools = tool_spec(
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        template_for(ready.tokenizer, body, limits, tools=True),
+        tool_template,
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )
