@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.models import triton_ops
-from service.engine.models.llama import RMSNorm, TableRope
+from service.engine.models.llama_layers import RMSNorm
+from service.engine.models.rope import TableRope
 
 pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="needs triton (pip install triton)")
 
