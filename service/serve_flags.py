@@ -17,7 +17,7 @@ booleans take `--x` / `--no-x` (argparse's BooleanOptionalAction), list flags ta
 `--max-model-len` and `--max-num-batched-tokens` take `8k` / `1K` (vLLM's human-readable integers:
 lowercase k/m/g decimal, uppercase binary).
 
-What the flags set is compared with the environment by service.config.load_settings: a flag and
+What the flags set is compared with the environment by service.config_loading.load_settings: a flag and
 its variable (or the same flag in NIM_PASSTHROUGH_ARGS and on the command line) given with
 different values stop the start, since one of them would be silently ignored.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import UnsupportedConfigError
 from service.engine.protocol import (
     EngineInfo,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError, Settings, load_settings, read_variables
+from service.config import Settings
+from service.config_loading import ConfigError, load_settings, read_variables
 from service.nim_variables import BY_NAME, NIM_VARIABLES
 from service.selection.planning import make_plan
 from service.selection.profiles import ProfileError

@@ -313,7 +313,7 @@ def test_nim_dtype_names_the_activations_of_a_weight_only_profile_it_names(manif
 
 
 def test_the_engine_computes_in_what_nim_dtype_names_over_int8_weights() -> None:
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.serving import config_for
 
     asked = config_for(load_settings(dtype="float32", model_profile=INT8_WO))
