@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from service.selection.hardware import SystemInfo, load_system
 from service.selection.profiles import (
     Architecture,
     Policy,
@@ -18,6 +17,7 @@ from service.selection.profiles import (
     load_manifests,
     select,
 )
+from service.selection.system_info import SystemInfo, load_system
 
 SYSTEMS = Path(__file__).parent / "systems"
 CONTAINER = Policy(engines=frozenset({"tensorrt_llm", "torch"}))  # the GPU image: both engines
