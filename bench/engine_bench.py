@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.loading import build_engine
 from service.serving import config_for

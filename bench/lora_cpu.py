@@ -30,7 +30,7 @@ import nim_server
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from service.config import load_settings  # noqa: E402
+from service.config_loading import load_settings  # noqa: E402
 from service.engine.lora import TARGETS, projection_shape  # noqa: E402
 from service.engine.torch.loading import read_weights  # noqa: E402
 from service.serving import config_for  # noqa: E402

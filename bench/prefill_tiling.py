@@ -25,7 +25,7 @@ import http_load
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from service.config import load_settings  # noqa: E402
+from service.config_loading import load_settings  # noqa: E402
 from service.engine.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from service.engine.torch import model_runner, paged_attention  # noqa: E402
 from service.engine.torch.engine import TorchEngine  # noqa: E402

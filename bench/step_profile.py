@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine

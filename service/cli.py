@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
 
-from service.config import ConfigError, Settings, load_settings
+from service.config import Settings
+from service.config_loading import ConfigError, load_settings
 from service.logs import configure_logging
 from service.serve_flags import SERVE_COMMANDS, FlagError, parse_serve_flags, serve_help
 

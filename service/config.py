@@ -1,28 +1,23 @@
-"""The one place configuration is read.
+"""The one place configuration is declared: `Settings`, every NIM_* variable (and the few others
+read) as a field with its default, bounds and description, and the checks across fields.
 
 `Settings` is built once at start-up from NIM_* environment variables, with command-line flags
-layered on top, and passed down explicitly. Nothing else in the code base reads the environment.
+layered on top (service.config_loading.load_settings), and passed down explicitly. Nothing else in
+the code base reads the environment. What the fields mean downstream (LoRA, guided and scheduler
+limits, ...) is service.config_views, Settings' base; parsers of compound values are
+service.config_values.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import (
-    AliasChoices,
-    Field,
-    PrivateAttr,
-    SecretStr,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.config_values import LogLevel, chat_template_source, lora_modules
+from service.config_views import SettingsViews
 from service.engine.config import (
     DEFAULT_GUIDED_CACHE_BYTES,
     DEFAULT_GUIDED_COMPILE_TIMEOUT_S,
@@ -30,19 +25,10 @@ from service.engine.config import (
     DEFAULT_MAX_GUIDED_SPEC_BYTES,
     DeviceKind,
     DType,
-    GuidedLimits,
     KVCacheDType,
-    LoraConfig,
-    SchedulerLimits,
-    step_defaults,
 )
 from service.engine.precision import QUANTIZED_PRECISIONS
-from service.nim_variables import check_environment
-from service.serve_flags import FlagError, passthrough_flags
-from service.store.model_uri import ModelRef, ModelRefError, parse_model_ref, resolve_model_ref
-from service.text.chat_template import ChatTemplate
-
-LogLevel = Literal["DEFAULT", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+from service.store.model_uri import ModelRef, ModelRefError, resolve_model_ref
 
 
 def _env_name(field: str) -> str:
@@ -56,7 +42,7 @@ def _env(name: str) -> AliasChoices:
     return AliasChoices(name)
 
 
-class Settings(BaseSettings):
+class Settings(SettingsViews, BaseSettings):
     """Service settings. Field docs are the configuration table in README.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
@@ -533,17 +519,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _ssl_files(self) -> Settings:
-        needed = {
-            "TLS": ("ssl_key_path", "ssl_certs_path"),
-            "MTLS": ("ssl_key_path", "ssl_certs_path", "ssl_ca_certs_path"),
-        }
-        for name in needed.get(self.ssl_mode, ()):
-            path = getattr(self, name)
-            if path is None or not Path(path).is_file():
-                env = type(self).model_fields[name].validation_alias.choices[0]  # type: ignore[union-attr]
-                raise ValueError(
-                    f"NIM_SSL_MODE={self.ssl_mode} needs {env} to name a readable file, got {path}"
-                )
+        self._check_ssl_files(_env_name)
         return self
 
     @model_validator(mode="after")
@@ -565,33 +541,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _lora_settings(self) -> Settings:
-        if self.allow_runtime_lora_updating and self.peft_source is None:
-            raise ValueError(
-                "NIM_ALLOW_RUNTIME_LORA_UPDATING=1 needs NIM_PEFT_SOURCE: adapters are loaded at run "
-                "time from inside it only"
-            )
-        limits = ("peft_refresh_interval", "max_lora_rank", "max_gpu_loras", "max_cpu_loras")
-        if self.peft_source is None and not self.lora_modules:
-            stray = [_env_name(name) for name in limits if getattr(self, name) is not None]
-            if stray:
-                raise ValueError(
-                    f"{', '.join(stray)} set without NIM_PEFT_SOURCE or NIM_LORA_MODULES: no adapters "
-                    "are served"
-                )
-            return self
-        if self.peft_refresh_interval is not None and self.peft_source is None:
-            raise ValueError(
-                "NIM_PEFT_REFRESH_INTERVAL set without NIM_PEFT_SOURCE: there is nothing to rescan"
-            )
-        if self.peft_source is not None and not self.peft_source.is_dir():
-            raise ValueError(f"NIM_PEFT_SOURCE={self.peft_source} is not a directory")
-        lora = self.lora
-        assert lora is not None
-        if lora.max_cpu_loras < lora.max_gpu_loras:
-            raise ValueError(
-                f"NIM_MAX_CPU_LORAS={lora.max_cpu_loras} is below NIM_MAX_GPU_LORAS={lora.max_gpu_loras}: "
-                "every adapter on the device is also kept in host memory"
-            )
+        self._check_lora_settings(_env_name)
         return self
 
     @model_validator(mode="after")
@@ -599,47 +549,6 @@ class Settings(BaseSettings):
         if self.chat_template is not None:
             self._chat_template_source = chat_template_source(self.chat_template)
         return self
-
-    @property
-    def chat_template_source(self) -> str | None:
-        """NIM_CHAT_TEMPLATE's Jinja source (a file's text, read once at start), or None."""
-        return self._chat_template_source
-
-    @property
-    def service_links(self) -> tuple[str, ...]:
-        """The NIM_* Kubernetes service-link variables ignored at start (logged once)."""
-        return self._service_links
-
-    @property
-    def model(self) -> ModelRef | None:
-        """The model to serve, as NIM_MODEL_NAME and NIM_MODEL_PATH name it together (None: the
-        embedded model)."""
-        return self._model
-
-    @property
-    def lora(self) -> LoraConfig | None:
-        """The LoRA settings with their defaults filled in; None without NIM_PEFT_SOURCE or
-        NIM_LORA_MODULES."""
-        modules = lora_modules(self.lora_modules)
-        if self.peft_source is None and not modules:
-            return None
-        return LoraConfig.with_defaults(
-            self.peft_source,
-            self.max_lora_rank,
-            self.max_gpu_loras,
-            self.max_cpu_loras,
-            self.peft_refresh_interval,
-            modules,
-        )
-
-    @property
-    def guided_limits(self) -> GuidedLimits:
-        return GuidedLimits(
-            self.max_guided_spec_bytes,
-            self.guided_compile_timeout_seconds,
-            self.guided_compile_workers,
-            self.guided_cache_bytes,
-        )
 
     @field_validator("lora_modules")
     @classmethod
@@ -675,234 +584,3 @@ class Settings(BaseSettings):
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
-
-    @property
-    def otlp_traces_endpoint(self) -> str:
-        if self.otel_exporter_otlp_traces_endpoint:
-            return self.otel_exporter_otlp_traces_endpoint
-        base = self.otel_exporter_otlp_endpoint or "http://localhost:4318"
-        return base.rstrip("/") + "/v1/traces"
-
-    @property
-    def scheduler_limits(self) -> SchedulerLimits:
-        """NIM_MAX_NUM_SEQS and NIM_MAX_NUM_BATCHED_TOKENS as set (the engine resolves unset ones)."""
-        return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)
-
-    @property
-    def pending_limit(self) -> int:
-        """NIM_MAX_PENDING_REQUESTS, else 4 x the sequences a step runs on the device the engine
-        will run on (NIM_DEVICE; auto: CUDA when PyTorch sees a GPU)."""
-        if self.max_pending_requests:
-            return self.max_pending_requests
-        return 4 * self.scheduler_limits.for_device(step_defaults(self.device_type())).max_num_seqs
-
-    def device_type(self) -> str:
-        """Where NIM_DEVICE puts the engine, "cuda" or "cpu" (the rule of its choose_device)."""
-        if self.device != "auto":
-            return self.device
-        import torch  # here, not at import: reading settings needs no torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    @property
-    def api_keys(self) -> list[str]:
-        if self.api_key is None:
-            return []
-        return [k.strip() for k in self.api_key.get_secret_value().split(",") if k.strip()]
-
-    @staticmethod
-    def split(value: str | None) -> list[str]:
-        return [v.strip() for v in (value or "").split(",") if v.strip()]
-
-    @property
-    def kv_cache_fraction(self) -> float | None:
-        """NIM_KV_CACHE_PERCENT as a fraction: values above 1 are percentages."""
-        if self.kv_cache_percent is None:
-            return None
-        return self.kv_cache_percent / 100 if self.kv_cache_percent > 1 else self.kv_cache_percent
-
-    @property
-    def python_log_level(self) -> str:
-        return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
-
-
-def lora_modules(value: str | None) -> tuple[tuple[str, Path], ...]:
-    """NIM_LORA_MODULES as (name, path) pairs: `name=path`, comma-separated. ValueError, one line,
-    for an entry that is not name=path (the adapters themselves are checked when they are read)."""
-    modules = []
-    for entry in Settings.split(value):
-        name, sep, path = entry.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"NIM_LORA_MODULES entry {entry!r} is not name=path")
-        modules.append((name.strip(), Path(path.strip()).expanduser()))
-    names = [name for name, _ in modules]
-    if len(set(names)) != len(names):
-        raise ValueError(f"NIM_LORA_MODULES names an adapter twice: {', '.join(sorted(names))}")
-    return tuple(modules)
-
-
-def chat_template_source(value: str) -> str:
-    """NIM_CHAT_TEMPLATE's template: an existing file's text, else the value itself when it is Jinja
-    (holds `{{` or `{%`); checked to compile. ValueError, one line, otherwise."""
-    shown = repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
-    try:
-        path = Path(value).expanduser()
-        is_file = path.is_file()
-    except (OSError, ValueError):  # a long inline template is no file name
-        is_file = False
-    if is_file:
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(
-                f"NIM_CHAT_TEMPLATE: cannot read {path} ({' '.join(str(exc).split())})"
-            ) from None
-        if not source.strip():
-            raise ValueError(f"NIM_CHAT_TEMPLATE: {path} is empty")
-    elif "{{" in value or "{%" in value:
-        source = value
-    else:
-        raise ValueError(f"NIM_CHAT_TEMPLATE: {shown} is neither a file nor a Jinja template")
-    error = ChatTemplate(source).error
-    if error is not None:
-        where = str(path) if is_file else "the inline template"
-        raise ValueError(f"NIM_CHAT_TEMPLATE: {where}: {error}")
-    return source
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the variable and what is allowed."""
-
-
-def read_variables() -> dict[str, str]:
-    """Every environment variable Settings reads -> its setting's own variable (the first name)."""
-    read: dict[str, str] = {}
-    for info in Settings.model_fields.values():
-        alias = info.validation_alias
-        assert isinstance(alias, AliasChoices)
-        names = [str(choice) for choice in alias.choices]
-        read.update(dict.fromkeys(names, names[0]))
-    return read
-
-
-def load_settings(
-    *, sources: Mapping[str, str] | None = None, needs_lora: str | None = None, **overrides: Any
-) -> Settings:
-    """Read the environment, apply non-None overrides (command-line flags), validate once.
-
-    Overrides are raw flag values of any type: pydantic validates and converts them, as it does the
-    environment's strings; `sources` says how each was given ("--max-model-len 8k"), for messages.
-    `needs_lora`: a flag (--enable-lora) that asks for adapters, so some must be named.
-    Before anything is read, every NIM_* variable must be one this server reads or NIM documents
-    and it honours (service.nim_variables); NIM_PASSTHROUGH_ARGS adds its flags below the command
-    line's. A flag and a variable of the same setting (or two names of one setting, or the command
-    line and NIM_PASSTHROUGH_ARGS) given with different values are refused: one would be ignored.
-    """
-    env = dict(os.environ)
-    check = check_environment(env, read_variables())
-    problems = [*check.problems, *_alias_conflicts(env)]
-    if problems:
-        raise ConfigError("; ".join(problems))
-    flags = {k: v for k, v in overrides.items() if v is not None}
-    origin = {name: (sources or {}).get(name, f"--{name.replace('_', '-')}") for name in flags}
-    try:
-        passthrough = passthrough_flags(_env_value(env, "NIM_PASSTHROUGH_ARGS"))
-    except FlagError as exc:
-        raise ConfigError(str(exc)) from None
-    for name, value in passthrough.values.items():
-        given = f"NIM_PASSTHROUGH_ARGS {passthrough.sources[name]}"
-        if name in flags and not _same(name, flags[name], value):
-            raise ConfigError(f"{origin[name]} and {given} disagree: give it once")
-        flags.setdefault(name, value)
-        origin.setdefault(name, given)
-    try:
-        settings = Settings(**flags)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
-    conflicts = _flag_conflicts(flags, origin, env)
-    asked = needs_lora or (passthrough.needs_lora and f"NIM_PASSTHROUGH_ARGS {passthrough.needs_lora}")
-    if asked and settings.lora is None:
-        conflicts.append(f"{asked}: name the adapters to serve (NIM_PEFT_SOURCE or --lora-modules)")
-    if conflicts:
-        raise ConfigError("; ".join(conflicts))
-    settings._service_links = tuple(check.service_links)
-    return settings
-
-
-def _env_value(env: Mapping[str, str], name: str) -> str | None:
-    """`name`'s value as pydantic-settings reads it (names compare case-insensitively)."""
-    return next((value for key, value in env.items() if key.upper() == name), None)
-
-
-def _alias_conflicts(env: Mapping[str, str]) -> list[str]:
-    """Two names of one setting (NIM_ENFORCE_EAGER and NIM_DISABLE_CUDA_GRAPH) set differently."""
-    problems = []
-    for name, info in Settings.model_fields.items():
-        alias = info.validation_alias
-        assert isinstance(alias, AliasChoices)
-        given = [(str(c), v) for c in alias.choices if (v := _env_value(env, str(c))) is not None]
-        for other, value in given[1:]:
-            if not _same(name, given[0][1], value):
-                problems.append(f"{_shown(name, given[0][0], given[0][1])} and {_shown(name, other, value)} "
-                                "disagree: they are one setting, set one of them")  # fmt: skip
-    return problems
-
-
-def _flag_conflicts(flags: Mapping[str, Any], origin: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
-    """A flag whose setting's variable is also set, to another value."""
-    problems = []
-    for name, value in flags.items():
-        alias = Settings.model_fields[name].validation_alias
-        assert isinstance(alias, AliasChoices)
-        for choice in map(str, alias.choices):
-            raw = _env_value(env, choice)
-            if raw is not None and not _same(name, value, raw):
-                problems.append(f"{origin[name]} and {_shown(name, choice, raw)} disagree: give one of them")
-    return problems
-
-
-def _shown(field: str, variable: str, value: str) -> str:
-    secret = Settings.model_fields[field].annotation in (SecretStr, SecretStr | None)
-    return f"{variable}=<hidden>" if secret else f"{variable}={value!r}"
-
-
-def _same(field: str, a: Any, b: Any) -> bool:
-    """Whether two raw values of one setting mean the same (as pydantic converts them)."""
-    if field in ("model_name", "model_path"):
-        try:
-            left_ref, right_ref = parse_model_ref(field, str(a)), parse_model_ref(field, str(b))
-        except ModelRefError:
-            return str(a).strip() == str(b).strip()
-        return left_ref.same_model(right_ref) and left_ref.revision == right_ref.revision
-    adapter: TypeAdapter[Any] = TypeAdapter(Settings.model_fields[field].annotation)
-    try:
-        left, right = adapter.validate_python(_stripped(a)), adapter.validate_python(_stripped(b))
-    except ValidationError:
-        return str(a).strip().lower() == str(b).strip().lower()
-    if isinstance(left, SecretStr) and isinstance(right, SecretStr):
-        return left.get_secret_value() == right.get_secret_value()
-    return bool(left == right)
-
-
-def _stripped(value: Any) -> Any:
-    return value.strip() if isinstance(value, str) else value
-
-
-def _describe(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        message = str(err["msg"]).removeprefix("Value error, ")
-        if not err["loc"]:  # a cross-field check: its message names the variables (never echo input)
-            lines.append(message)
-            continue
-        field = str(err["loc"][0])
-        info = Settings.model_fields.get(field)
-        alias = info.validation_alias if info else None
-        name = alias.choices[0] if isinstance(alias, AliasChoices) else field
-        shown = (
-            "<hidden>"
-            if info is not None and info.annotation in (SecretStr, SecretStr | None)
-            else repr(err.get("input"))
-        )
-        lines.append(f"invalid {name}={shown}: {message}")
-    return "; ".join(lines)

@@ -6,7 +6,8 @@ Every flag is one of:
   converts; vLLM's names for what this server can do, and this server's own `--device` and
   `--log-level`). Some accepted flags take only the values that ask for what this server does
   anyway (`--pipeline-parallel-size 1`, `--disable-log-requests`): `passes`;
-- a vLLM flag this server cannot honour (`REFUSED`): refused by name, in one line, with why;
+- a vLLM flag this server cannot honour (`REFUSED`, service.serve_flags_refused): refused by name,
+  in one line, with why;
 - anything else: refused as unknown, with the closest known flag.
 
 Read from vLLM's `vllm serve` parser: vllm/engine/arg_utils.py (`EngineArgs.add_cli_args`) as
@@ -17,7 +18,7 @@ booleans take `--x` / `--no-x` (argparse's BooleanOptionalAction), list flags ta
 `--max-model-len` and `--max-num-batched-tokens` take `8k` / `1K` (vLLM's human-readable integers:
 lowercase k/m/g decimal, uppercase binary).
 
-What the flags set is compared with the environment by service.config.load_settings: a flag and
+What the flags set is compared with the environment by service.config_loading.load_settings: a flag and
 its variable (or the same flag in NIM_PASSTHROUGH_ARGS and on the command line) given with
 different values stop the start, since one of them would be silently ignored.
 """
@@ -31,6 +32,8 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+from service.serve_flags_refused import COMPILE_REFUSAL, REFUSED
 
 SERVE_COMMANDS = ("serve", "nim-serve")
 SECRET_FIELDS = frozenset({"api_key", "hf_token"})  # their values are never shown in messages
@@ -284,182 +287,6 @@ FLAGS: tuple[Flag, ...] = (
 # --max-log-len (nothing is logged for it to shorten).
 _ANY_VALUE = frozenset({"--revision", "--max-log-len"})
 
-_ENGINE_INTERNALS = "an engine internal this server does not expose"
-_DISTRIBUTED = (
-    "one server process serves one model: data, expert and context parallelism and multi-node runs "
-    "are not offered (tensor parallelism: --tensor-parallel-size)"
-)
-_GRAPHS = "decode graphs are captured for the batch sizes the engine chooses (off with --enforce-eager)"
-_MULTIMODAL = "this server serves text models only"
-_COMPILE = "no torch.compile here: decode steps run as CUDA graphs (off with --enforce-eager)"
-_DISAGG = "disaggregated serving and KV transfer are not implemented"
-_TRACING = "tracing is OpenTelemetry through OTEL_EXPORTER_OTLP_ENDPOINT"
-_REMOTE_CODE = "model code from a repository is never run (only the built-in architectures)"
-_TOKENIZER = "the model's own tokenizer is always used"
-_LORA_EXTRA = "LoRA adapters here are PEFT LoRA on the decoder's projections only"
-_FRONTEND = "not offered by this server's API"
-
-# Every other flag of `vllm serve` (v0.11), refused by name with why.
-REFUSED: dict[str, str] = {
-    "--runner": "this server generates text (runner generate)",
-    "--convert": "this server generates text",
-    "--task": "this server generates text",
-    "--tokenizer": _TOKENIZER,
-    "--tokenizer-mode": _TOKENIZER,
-    "--tokenizer-revision": _TOKENIZER,
-    "--skip-tokenizer-init": _TOKENIZER,
-    "--trust-remote-code": _REMOTE_CODE,
-    "--code-revision": _REMOTE_CODE,
-    "--hf-config-path": "the model's own config.json is read",
-    "--hf-overrides": "the model's config is read as its files declare it",
-    "--config-format": "the model's config is read as its files declare it",
-    "--rope-scaling": "rope scaling comes from the model's config",
-    "--rope-theta": "rope theta comes from the model's config",
-    "--allowed-local-media-path": _MULTIMODAL,
-    "--allowed-media-domains": _MULTIMODAL,
-    "--logprobs-mode": "logprobs are the model's own distribution (raw logprobs)",
-    "--disable-sliding-window": "sliding windows run as the model declares them (cap with --max-model-len)",
-    "--disable-cascade-attn": _ENGINE_INTERNALS,
-    "--enable-prompt-embeds": "prompt embeddings are not accepted: send text or token ids",
-    "--pooler-config": "pooling models are not served",
-    "--override-pooler-config": "pooling models are not served",
-    "--logits-processor-pattern": "logits processors are never loaded",
-    "--logits-processors": "logits processors are never loaded",
-    "--generation-config": "sampling defaults are OpenAI's, not read from generation_config.json",
-    "--override-generation-config": "sampling defaults are OpenAI's, not read from generation_config.json",
-    "--enable-sleep-mode": "sleep mode is not implemented",
-    "--model-impl": "models run this server's own implementations",
-    "--override-attention-dtype": _ENGINE_INTERNALS,
-    "--io-processor-plugin": "plugins are never loaded",
-    "--safetensors-load-strategy": _ENGINE_INTERNALS,
-    "--model-loader-extra-config": _ENGINE_INTERNALS,
-    "--ignore-patterns": "the files a model needs are chosen by this server (pickles are never read)",
-    "--use-tqdm-on-load": _ENGINE_INTERNALS,
-    "--pt-load-map-location": "pickled checkpoints are never read",
-    "--guided-decoding-disable-fallback": "xgrammar is the only backend: there is nothing to fall back to",
-    "--guided-decoding-disable-any-whitespace": "the JSON grammar's whitespace is fixed",
-    "--guided-decoding-disable-additional-properties": "schemas are enforced as written",
-    "--structured-outputs-config": "set the backend with --guided-decoding-backend",
-    "--distributed-executor-backend": _DISTRIBUTED,
-    "--decode-context-parallel-size": _DISTRIBUTED,
-    "--data-parallel-size": _DISTRIBUTED,
-    "--data-parallel-rank": _DISTRIBUTED,
-    "--data-parallel-start-rank": _DISTRIBUTED,
-    "--data-parallel-size-local": _DISTRIBUTED,
-    "--data-parallel-address": _DISTRIBUTED,
-    "--data-parallel-rpc-port": _DISTRIBUTED,
-    "--data-parallel-backend": _DISTRIBUTED,
-    "--data-parallel-hybrid-lb": _DISTRIBUTED,
-    "--enable-expert-parallel": _DISTRIBUTED,
-    "--all2all-backend": _DISTRIBUTED,
-    "--enable-dbo": _DISTRIBUTED,
-    "--dbo-decode-token-threshold": _DISTRIBUTED,
-    "--dbo-prefill-token-threshold": _DISTRIBUTED,
-    "--disable-nccl-for-dp-synchronization": _DISTRIBUTED,
-    "--enable-eplb": _DISTRIBUTED,
-    "--eplb-config": _DISTRIBUTED,
-    "--expert-placement-strategy": _DISTRIBUTED,
-    "--num-redundant-experts": _DISTRIBUTED,
-    "--eplb-window-size": _DISTRIBUTED,
-    "--eplb-step-interval": _DISTRIBUTED,
-    "--eplb-log-balancedness": _DISTRIBUTED,
-    "--max-parallel-loading-workers": _ENGINE_INTERNALS,
-    "--ray-workers-use-nsight": _DISTRIBUTED,
-    "--disable-custom-all-reduce": _ENGINE_INTERNALS,
-    "--worker-cls": _ENGINE_INTERNALS,
-    "--worker-extension-cls": _ENGINE_INTERNALS,
-    "--enable-multimodal-encoder-data-parallel": _MULTIMODAL,
-    "--kv-cache-memory-bytes": "cap the KV cache in tokens with NIM_KV_CACHE_MAX_TOKENS",
-    "--swap-space": "preempted requests are recomputed, never swapped to host memory",
-    "--num-gpu-blocks-override": "cap the KV cache in tokens with NIM_KV_CACHE_MAX_TOKENS",
-    "--prefix-caching-hash-algo": _ENGINE_INTERNALS,
-    "--cpu-offload-gb": "weights are not offloaded to host memory",
-    "--calculate-kv-scales": "int8 and fp8 KV caches keep a scale per token and head, computed on write",
-    "--kv-sharing-fast-prefill": _ENGINE_INTERNALS,
-    "--mamba-cache-dtype": "Mamba models are not served",
-    "--mamba-ssm-cache-dtype": "Mamba models are not served",
-    "--mamba-block-size": "Mamba models are not served",
-    "--limit-mm-per-prompt": _MULTIMODAL,
-    "--enable-mm-embeds": _MULTIMODAL,
-    "--media-io-kwargs": _MULTIMODAL,
-    "--mm-processor-kwargs": _MULTIMODAL,
-    "--mm-processor-cache-gb": _MULTIMODAL,
-    "--disable-mm-preprocessor-cache": _MULTIMODAL,
-    "--mm-processor-cache-type": _MULTIMODAL,
-    "--mm-shm-cache-max-object-size-mb": _MULTIMODAL,
-    "--mm-encoder-tp-mode": _MULTIMODAL,
-    "--mm-encoder-attn-backend": _MULTIMODAL,
-    "--interleave-mm-strings": _MULTIMODAL,
-    "--skip-mm-profiling": _MULTIMODAL,
-    "--video-pruning-rate": _MULTIMODAL,
-    "--lora-extra-vocab-size": _LORA_EXTRA,
-    "--lora-dtype": "adapters compute in the model's activation dtype",
-    "--fully-sharded-loras": "adapters are sharded like their layers under tensor parallelism",
-    "--default-mm-loras": _MULTIMODAL,
-    "--show-hidden-metrics-for-version": "the metrics are those /v1/metrics lists",
-    "--otlp-traces-endpoint": _TRACING,
-    "--collect-detailed-traces": _TRACING,
-    "--max-num-partial-prefills": _ENGINE_INTERNALS,
-    "--max-long-partial-prefills": _ENGINE_INTERNALS,
-    "--long-prefill-token-threshold": _ENGINE_INTERNALS,
-    "--num-lookahead-slots": _ENGINE_INTERNALS,
-    "--scheduling-policy": "one queue, first come first served",
-    "--enable-chunked-prefill": "long prompts are always prefilled in chunks under --max-num-batched-tokens",
-    "--disable-chunked-mm-input": _MULTIMODAL,
-    "--scheduler-cls": _ENGINE_INTERNALS,
-    "--disable-hybrid-kv-cache-manager": _ENGINE_INTERNALS,
-    "--async-scheduling": _ENGINE_INTERNALS,
-    "--cudagraph-capture-sizes": _GRAPHS,
-    "--cuda-graph-sizes": _GRAPHS,
-    "--max-cudagraph-capture-size": _GRAPHS,
-    "--speculative-config": "speculative decoding is not implemented",
-    "--kv-transfer-config": _DISAGG,
-    "--kv-events-config": _DISAGG,
-    "--compilation-config": _COMPILE,
-    "-O": _COMPILE,
-    "-dp": _DISTRIBUTED,
-    "-dpn": _DISTRIBUTED,
-    "-dpr": _DISTRIBUTED,
-    "-dpl": _DISTRIBUTED,
-    "-dpa": _DISTRIBUTED,
-    "-dpp": _DISTRIBUTED,
-    "-dpb": _DISTRIBUTED,
-    "-dcp": _DISTRIBUTED,
-    "-asc": "one API server process",
-    "--additional-config": _ENGINE_INTERNALS,
-    "--aggregate-engine-logging": _DISTRIBUTED,
-    "--headless": _DISTRIBUTED,
-    "--api-server-count": "one API server process",
-    "--config": "put the flags on the command line or in NIM_PASSTHROUGH_ARGS",
-    "--grpc": "the API is HTTP",
-    "--uds": "the server listens on TCP (--host, --port)",
-    "--uvicorn-log-level": "set the log level with --log-level (NIM_LOG_LEVEL)",
-    "--disable-uvicorn-access-log": "each request gets one service.access log line",
-    "--disable-access-log-for-endpoints": "each request gets one service.access log line",
-    "--allow-credentials": "CORS never allows credentials here",
-    "--enable-ssl-refresh": "certificates are read at start",
-    "--ssl-ciphers": "TLS uses Python's default ciphers",
-    "--root-path": "the API is served at the root",
-    "--middleware": "middleware is never loaded from configuration",
-    "--return-tokens-as-token-ids": "logprob tokens are always their text",
-    "--disable-frontend-multiprocessing": _ENGINE_INTERNALS,
-    "--exclude-tools-when-tool-choice-none": "tools reach the prompt as the chat template decides",
-    "--tool-parser-plugin": "parsers are built in and never loaded from a file",
-    "--tool-server": "built-in tools and tool servers are not offered",
-    "--log-config-file": "logging is configured by --log-level and NIM_JSONL_LOGGING",
-    "--disable-fastapi-docs": "/docs and /openapi.json are always served",
-    "--enable-server-load-tracking": "load is reported by /v1/metrics",
-    "--enable-tokenizer-info-endpoint": _FRONTEND,
-    "--enable-log-outputs": "prompts and outputs are never logged",
-    "--h11-max-incomplete-event-size": "request size is limited by NIM_MAX_REQUEST_BYTES",
-    "--h11-max-header-count": _ENGINE_INTERNALS,
-    "--log-error-stack": "unexpected errors are logged with their stack",
-    "--chat-template-content-format": "content is rendered as the chat template expects it",
-    "--default-chat-template-kwargs": "requests send chat_template_kwargs",
-    "--enable-offline-docs": "/docs is served as it is",
-    "--tokens-only": _FRONTEND,
-}
-
 _BY_NAME: dict[str, Flag] = {name: flag for flag in FLAGS for name in flag.names}
 
 
@@ -595,7 +422,7 @@ def _lookup(name: str, context: str) -> tuple[Flag, bool]:
             return positive, True
     refused = REFUSED.get(name) or (REFUSED.get("--" + name[5:]) if name.startswith("--no-") else None)
     if re.fullmatch(r"-O\d*", name):
-        refused = _COMPILE
+        refused = COMPILE_REFUSAL
     if refused is not None:
         raise FlagError(f"{context}vLLM's {name} is not supported by this server: {refused}")
     known = [*_BY_NAME, *REFUSED]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import (
     CPU_DEFAULTS,
     GIB,

@@ -25,7 +25,7 @@ from service.text.chat_template import (
     ChatTemplateError,
     TemplateCache,
 )
-from service.text.template_sandbox import MAX_VALUE_ITEMS
+from service.text.template_budget import MAX_VALUE_ITEMS
 from service.text.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}

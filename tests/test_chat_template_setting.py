@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.config import ConfigError, load_settings
+from service.config_loading import ConfigError, load_settings
 from tests.conftest import EMBEDDED_NAME, ServerProcess, free_port
 from tests.test_cli import run_cli
 from tests.test_quantization import serving

@@ -19,7 +19,7 @@ import transformers
 from huggingface_hub import constants
 from safetensors.torch import load_file
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.torch.loading import build_engine
 from service.model.config import ModelConfig
 from service.selection import planning

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from service.selection.hardware import SystemInfo
 from service.selection.profiles import find_manifest, load_manifests
+from service.selection.system_info import SystemInfo
 from tests.conftest import (
     EMBEDDED_NAME,
     REPO,

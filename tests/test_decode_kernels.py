@@ -99,7 +99,7 @@ def test_the_engine_decodes_the_same_through_the_kernel() -> None:
     gives the same greedy tokens as the gather path, through the real engine (float32)."""
     import asyncio
 
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.engine.protocol import GenerationRequest, SamplingParams
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
@@ -133,7 +133,7 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
     """What a decode graph replays (the staged input buffer, padded to its bucket with rows that
     write only to the scratch block) gives the eager step's logits; runs eagerly here, captured
     on a GPU."""
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.engine.protocol import GenerationRequest, SamplingParams
     from service.engine.torch.cuda_graphs import CudaGraphDecoder
     from service.engine.torch.loading import build_core

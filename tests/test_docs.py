@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from service import nim_variables, serve_flags
-from service.config import Settings, read_variables
+from service.config import Settings
+from service.config_loading import read_variables
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine import streams as streams_module
 from service.engine.protocol import GenerationRequest, RequestOutput, SamplingParams
 from service.engine.streams import Stream, Streams

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from service.api.app import create_app
 from service.api.state import ModelInfo, Ready
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.protocol import (
     EngineDeadError,
     EngineStats,

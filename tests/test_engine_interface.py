@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import UnsupportedConfigError
 from service.engine.protocol import (
     EngineInfo,
@@ -137,9 +137,9 @@ def test_a_collective_timeout_without_tensor_parallelism_is_refused_not_ignored(
 
 
 def test_selection_skips_profiles_the_engine_would_refuse() -> None:
-    from service.selection.hardware import load_system
     from service.selection.planning import manifest_for, policy_for
     from service.selection.profiles import Profile, evaluate
+    from service.selection.system_info import load_system
 
     settings = load_settings()
     manifest = manifest_for(settings)

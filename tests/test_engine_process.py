@@ -24,7 +24,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import EngineConfig, UnsupportedConfigError
 from service.engine.guided.specs import xgrammar_available
 from service.engine.process import ProcessEngine, load_in_process, wrap_in_process
@@ -314,7 +314,7 @@ def test_killing_the_engine_process_fails_requests_and_readiness() -> None:
 
 PARENT = """
 import sys, time
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.process import load_in_process
 from service.serving import config_for
 from service.text.tokenizer import Tokenizer

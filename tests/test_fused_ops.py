@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.models import triton_ops
-from service.engine.models.llama import RMSNorm, TableRope
+from service.engine.models.llama_layers import RMSNorm
+from service.engine.models.rope import TableRope
 
 pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="needs triton (pip install triton)")
 
@@ -99,7 +100,7 @@ def test_rotary_in_place_matches_rotate_half(dtype: torch.dtype, head_dim: int) 
 def test_the_model_computes_the_same_through_the_fused_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward pass (the residual stream handed from layer to layer through the fused
     add + norm) gives the unfused pass's logits."""
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.engine.models.attention import CausalAttention
     from service.engine.models.base import BuildOptions
     from service.engine.models.loader import build_model, load_gguf

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import step_defaults
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.config import ConfigError, load_settings
+from service.config_loading import ConfigError, load_settings
 from service.engine.config import GuidedLimits
 
 GUIDED = (

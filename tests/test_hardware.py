@@ -13,16 +13,9 @@ import pynvml
 import pytest
 
 from service.host import available_cpu_count, cpu_flags, cpu_has_fast_bf16
-from service.selection.hardware import (
-    CPUInfo,
-    GPUInfo,
-    SystemInfo,
-    describe,
-    detect_cpu,
-    detect_system,
-    gpu_family,
-    load_system,
-)
+from service.selection.cpu_detection import detect_cpu
+from service.selection.hardware import detect_system
+from service.selection.system_info import CPUInfo, GPUInfo, SystemInfo, describe, gpu_family, load_system
 
 SYSTEMS = Path(__file__).resolve().parent / "systems"
 MiB = 2**20

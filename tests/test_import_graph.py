@@ -11,7 +11,8 @@ SERVICE = Path(__file__).resolve().parent.parent / "service"
 
 # What the engine (service.engine and its subpackages) may not import: it is loaded by them.
 ABOVE_THE_ENGINE = {"service.selection", "service.api", "service.serving", "service.cli", "service.commands",
-                    "service.server", "service.telemetry", "service.config"}  # fmt: skip
+                    "service.server", "service.telemetry", "service.config", "service.config_loading",
+                    "service.config_views", "service.config_values"}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

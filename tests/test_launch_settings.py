@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError, Settings, load_settings, read_variables
+from service.config import Settings
+from service.config_loading import ConfigError, load_settings, read_variables
 from service.nim_variables import BY_NAME, NIM_VARIABLES
 from service.selection.planning import make_plan
 from service.selection.profiles import ProfileError
-from service.serve_flags import FLAGS, REFUSED, FlagError, parse_serve_flags
+from service.serve_flags import FLAGS, FlagError, parse_serve_flags
+from service.serve_flags_refused import REFUSED
 from service.store.model_uri import ModelRef
 
 REFUSED_VARIABLES = [v for v in NIM_VARIABLES if v.refusal is not None]

@@ -20,6 +20,7 @@ import pytest
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from safetensors.numpy import load_file, save_file
 
+from service.store.hub_cache import CacheLayout
 from service.store.model_download import (
     DEFAULT_ALLOW_PATTERNS,
     AccessDeniedError,
@@ -27,7 +28,6 @@ from service.store.model_download import (
     DownloadError,
     InsufficientDiskError,
     OfflineError,
-    _Layout,
     download_artifact,
 )
 from tests.fake_hub import FakeHub
@@ -462,7 +462,7 @@ def test_unlockable_cache_is_fine_offline_only(
     snapshot = fetch(hub, cache)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    monkeypatch.setattr(_Layout, "artifact_lock", property(lambda self: blocker / "x.lock"))
+    monkeypatch.setattr(CacheLayout, "artifact_lock", property(lambda self: blocker / "x.lock"))
 
     assert fetch(hub, cache, offline=True) == snapshot
     with pytest.raises(DownloadError, match=r"cannot create lock file .*x\.lock .*make .* writable"):

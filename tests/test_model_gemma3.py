@@ -24,7 +24,7 @@ import pytest
 import tokenizers
 import torch
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.models.attention import CausalAttention
 from service.engine.models.base import CausalLM
 from service.engine.models.gemma3 import Gemma3ForCausalLM

@@ -299,7 +299,7 @@ class PackedCausalAttention:
 def test_rms_norm_of_16_bit_inputs_is_hfs_float32_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """RMSNorm hands 16-bit activations to PyTorch's rms_norm directly: it must round exactly as
     HF's upcast, normalise in float32, cast back does (x * rsqrt(mean(x^2) + eps))."""
-    from service.engine.models.llama import RMSNorm
+    from service.engine.models.llama_layers import RMSNorm
 
     torch.manual_seed(len(shape) * shape[-1])
     x = (torch.randn(shape) * 4).to(dtype)

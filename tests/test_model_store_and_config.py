@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from service.config import ConfigError, load_settings
+from service.config_loading import ConfigError, load_settings
 from service.model.config import ModelConfig
 from service.selection.planning import make_plan, model_source
 from service.store.checkpoint import ModelSource

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from service.selection.hardware import SystemInfo, load_system
 from service.selection.profiles import Policy, ProfileError, find_manifest, load_manifests, select
+from service.selection.system_info import SystemInfo, load_system
 
 SYSTEMS = Path(__file__).parent / "systems"
 TORCH_ONLY = Policy(engines=frozenset({"torch"}))

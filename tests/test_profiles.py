@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from service.selection.hardware import SystemInfo, load_system
 from service.selection.profiles import (
     Architecture,
     Policy,
@@ -18,6 +17,7 @@ from service.selection.profiles import (
     load_manifests,
     select,
 )
+from service.selection.system_info import SystemInfo, load_system
 
 SYSTEMS = Path(__file__).parent / "systems"
 CONTAINER = Policy(engines=frozenset({"tensorrt_llm", "torch"}))  # the GPU image: both engines
@@ -313,7 +313,7 @@ def test_nim_dtype_names_the_activations_of_a_weight_only_profile_it_names(manif
 
 
 def test_the_engine_computes_in_what_nim_dtype_names_over_int8_weights() -> None:
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.serving import config_for
 
     asked = config_for(load_settings(dtype="float32", model_profile=INT8_WO))

@@ -1006,7 +1006,7 @@ def test_an_unsupported_checkpoint_is_one_line_at_selection(
     modelopt_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """list-model-profiles and serve see a ProfileError (one line), not a traceback."""
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.selection.planning import manifest_for
     from service.selection.profiles import ProfileError
 

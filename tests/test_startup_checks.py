@@ -361,7 +361,7 @@ def test_an_engine_process_that_cannot_start_falls_back_in_process_under_auto(
     import asyncio
 
     from service import serving
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.engine.process import EngineProcessError
 
     def cannot_start(*args: object, **kwargs: object) -> object:
@@ -382,7 +382,7 @@ def test_an_engine_process_that_cannot_start_falls_back_in_process_under_auto(
 
 
 def test_each_setting_reaches_the_engine_config() -> None:
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.serving import config_for
 
     default = config_for(load_settings())

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.text.chat_template import RENDER_CPU_SECONDS, ChatTemplate, ChatTemplateError, TemplateCache
 from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from service.config import ConfigError, load_settings
+from service.config_loading import ConfigError, load_settings
 from service.telemetry.tracing import RequestTracing, annotate, configure_tracing
 from tests.conftest import start_server, wait_ready
 

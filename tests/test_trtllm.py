@@ -82,7 +82,7 @@ def double_release(double: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def _config(checkpoint: Path, tmp_path: Path, **changes: object) -> EngineConfig:
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.selection.planning import make_plan, model_source
     from service.serving import engine_config
 

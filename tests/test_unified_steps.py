@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton (pi
 
 @pytest.fixture(scope="module")
 def engine():
-    from service.config import load_settings
+    from service.config_loading import load_settings
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
 

@@ -88,7 +88,7 @@ class NimWorker(LLMEngine):
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[NimWorker, WorkerConfig]:
         """Dynamo's entry: settings from the environment (the CLI passes its own to `prepare`)."""
-        from service.config import load_settings
+        from service.config_loading import load_settings
 
         return await prepare(load_settings())
 

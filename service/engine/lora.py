@@ -46,7 +46,7 @@ import safetensors.torch
 import torch
 
 from service.engine.models.base import ONE_PROCESS
-from service.engine.models.llama import PROJECTIONS
+from service.engine.models.llama_layers import PROJECTIONS
 from service.engine.models.registry import model_class
 from service.engine.protocol import AdapterError
 from service.model.config import ModelConfig

@@ -17,7 +17,7 @@ from service.engine.config import PRECISION_TAGS, UnsupportedConfigError
 from service.engine.registry import ENGINES, available_engines
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import HF_QUANT_CONFIG, QuantizationError
-from service.selection.hardware import SystemInfo, detect_system, load_system
+from service.selection.hardware import detect_system
 from service.selection.profiles import (
     Architecture,
     Manifest,
@@ -32,6 +32,7 @@ from service.selection.profiles import (
     load_manifests,
     select,
 )
+from service.selection.system_info import SystemInfo, load_system
 from service.store.checkpoint import (
     CONFIG_FILE,
     Checkpoint,

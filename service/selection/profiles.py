@@ -37,7 +37,7 @@ from service.engine.precision import PRECISION_SPECS, SPECS, Mode, precision_mod
 from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
 from service.engine.trtllm import release as trtllm_release
-from service.selection.hardware import SystemInfo
+from service.selection.system_info import SystemInfo
 from service.util import cdiv
 
 

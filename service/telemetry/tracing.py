@@ -19,7 +19,8 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from service.config import ConfigError, Settings
+from service.config import Settings
+from service.config_loading import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -43,14 +43,14 @@ from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 
 from service.text.render_limit import RenderTimeout, limited
-from service.text.template_sandbox import (
+from service.text.template_budget import (
     MAX_BUILT_CHARS,
     MAX_BUILT_ITEMS,
     MAX_VALUE_CHARS,
     ChatTemplateError,
     bounded_render,
-    jinja_env,
 )
+from service.text.template_sandbox import jinja_env
 from service.util import one_line
 
 __all__ = [

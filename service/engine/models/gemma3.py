@@ -33,16 +33,10 @@ from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
 from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
-from service.engine.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    Reduce,
-    Rope,
-    RotaryEmbedding,
-    all_reduce_of,
-)
+from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.llama_layers import LlamaAttention, LlamaMLP, Reduce, all_reduce_of
 from service.engine.models.quant import QuantizedWeight
+from service.engine.models.rope import Rope, RotaryEmbedding
 from service.model.config import ModelConfig, UnsupportedModelError
 
 

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
-from service.engine.models.llama import LlamaForCausalLM, Reduce, all_reduce_of
+from service.engine.models.llama import LlamaForCausalLM
+from service.engine.models.llama_layers import Reduce, all_reduce_of
 from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import make_linear
 from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from service.engine.models import triton_ops
 from service.engine.models.base import CausalLM
-from service.engine.models.llama import RMSNorm, RotaryEmbedding
+from service.engine.models.llama_layers import RMSNorm
 from service.engine.models.quant_linear import FP8Linear
+from service.engine.models.rope import RotaryEmbedding
 from service.engine.protocol import PathChoice
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 from service.engine.torch.paged_attention import (
