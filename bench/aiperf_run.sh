@@ -16,7 +16,7 @@
 #   --out DIR            output folder (default ~/.cache/nim-bench/aiperf-results/<date-time>)
 #
 # aiperf is installed (pinned, AIPERF_VERSION, default 0.13.0) into its own virtualenv under
-# ${NIM_BENCH_CACHE:-~/.cache/nim-bench}/aiperf-venv, never into the project's .venv. aiperf needs a local
+# ${AIPERF_CACHE:-~/.cache/nim-bench}/aiperf-venv, never into the project's .venv. aiperf needs a local
 # tokenizer directory: one is written next to it from the GGUF with the project's own tokenizer code
 # (tokenizer.json from service.text.tokenizer's backend, tokenizer_config.json with the chat template and special
 # tokens). Token counts come from the server's usage (--use-server-token-count): with ignore_eos the model
@@ -31,7 +31,7 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CACHE=${NIM_BENCH_CACHE:-$HOME/.cache/nim-bench}
+CACHE=${AIPERF_CACHE:-$HOME/.cache/nim-bench}
 AIPERF_VERSION=${AIPERF_VERSION:-0.13.0}
 VENV="$CACHE/aiperf-venv"
 PROJECT_PY="$REPO/.venv/bin/python"

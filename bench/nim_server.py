@@ -14,21 +14,21 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
-def start(env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
-    """`entrypoint.py serve` on 127.0.0.1:`port` with `env` (over the caller's environment minus
-    its NIM_* variables), output to `log`."""
+def start(env: dict[str, str], port: int, log: Path, repo: Path = REPO) -> subprocess.Popen:
+    """`entrypoint.py serve` of the checkout `repo` (this one by default) on 127.0.0.1:`port` with
+    `env` (over the caller's environment minus its NIM_* variables), output to `log`."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
     full.update({"HF_HUB_OFFLINE": "1", **env})
     command = [
         sys.executable,
-        str(REPO / "entrypoint.py"),
+        str(repo / "entrypoint.py"),
         "serve",
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
     ]
-    return subprocess.Popen(command, cwd=REPO, env=full, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=repo, env=full, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:

@@ -80,7 +80,7 @@ class PhaseTimer:
 def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict[str, float]:
     device = engine.core.config.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    step = PhaseTimer(engine, "_step")
+    step = PhaseTimer(engine.core, "step")
     forward = PhaseTimer(engine.core.runner, "forward", sync)
     timers = [step, forward]
     if engine.core.runner.decode_graphs is not None:
@@ -150,28 +150,29 @@ def cpu_op_profile(engine: TorchEngine, count: int, top: int) -> dict:
     """`count` steps under torch.profiler, started and stopped on the engine's thread."""
     from torch.profiler import ProfilerActivity, profile
 
-    original = engine._step
+    original = engine.core.step
     prof = profile(activities=[ProfilerActivity.CPU])
     left = [count]
     done = threading.Event()
 
-    def step() -> None:
+    def step() -> list:
         if left[0] == count:
             prof.__enter__()
-        original()
+        outputs = original()
         if not done.is_set():
             left[0] -= 1
             if left[0] == 0:
                 prof.__exit__(None, None, None)
                 done.set()
+        return outputs
 
-    engine._step = step  # type: ignore[method-assign]
+    engine.core.step = step  # type: ignore[method-assign]
     try:
         while not done.wait(0.01):
             if engine.failure is not None:
                 raise RuntimeError(f"the engine died: {engine.failure}")
     finally:
-        engine._step = original  # type: ignore[method-assign]
+        engine.core.step = original  # type: ignore[method-assign]
     events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {

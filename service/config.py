@@ -356,8 +356,9 @@ class Settings(BaseSettings):
     trust_request_chat_template: bool = Field(
         False,
         validation_alias=_env("NIM_TRUST_REQUEST_CHAT_TEMPLATE"),
-        description="1: a request may bring its own `chat_template` (sandboxed, size- and time-limited); "
-        "unset, such a request is refused with 400 (vLLM's --trust-request-chat-template).",
+        description="1: a request may bring its own `chat_template` (sandboxed, and bounded in size, CPU "
+        "time and the memory it builds); unset, such a request is refused with 400 (vLLM's "
+        "--trust-request-chat-template).",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,

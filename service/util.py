@@ -18,7 +18,10 @@ def cdiv(a: int, b: int) -> int:
 def one_line(exc: BaseException, *, with_type: bool = False, limit: int | None = None) -> str:
     """An exception as one line for a user-facing message: whitespace collapsed, optionally the
     exception's type in front and the text cut at `limit` characters; the type alone if no text."""
-    text = " ".join(str(exc).split())
+    raw = str(exc)
+    if limit is not None:
+        raw = raw[: 4 * limit]  # collapsing a huge message first would copy all of it
+    text = " ".join(raw.split())
     if limit is not None:
         text = text[:limit]
     if not text:

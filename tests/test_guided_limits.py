@@ -90,7 +90,7 @@ def _workers_of(pid: int) -> set[int]:
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == pid and b"_worker_main" in cmdline:
+        if parent == pid and b"service.engine.guided.worker:serve" in cmdline:
             found.add(int(entry.name))
     return found
 

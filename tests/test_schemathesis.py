@@ -159,13 +159,25 @@ def _repaired(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _text_only(message: Any) -> Any:
-    """A message whose content parts are text (a part of another type is refused, as it should be)."""
-    if isinstance(message, dict) and isinstance(message.get("content"), list):
-        parts = message["content"]
+    """A message of known fields, a known role and text content (a part of another type, an
+    unknown key or a tool message without its tool_call_id is refused, as it should be)."""
+    if not isinstance(message, dict):
+        return message
+    out = {k: v for k, v in message.items() if k in MESSAGE_FIELDS}
+    if out.get("role") not in ROLES:
+        out["role"] = "user"
+    if out["role"] == "tool" and not isinstance(out.get("tool_call_id"), str):
+        out["tool_call_id"] = "call_0"
+    if isinstance(out.get("content"), list):
+        parts = out["content"]
         texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        return {**message, "content": "".join(texts) or "Hello"}
-    return message
+        out["content"] = "".join(texts) or "Hello"
+    return out
 
 
 def _honoured_only(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:

@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0  # how often a child checks that its parent still runs
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds the service package
+# The child's whole command line; the trailing comment names the target, so `ps` shows what each is.
 _MAIN = (
     "import sys; sys.path.insert(0, {root!r}); from service.engine.child import main; main({fd}, {parent})"
+    "  # {target}"
 )
 
 Target = Callable[[Any, Connection], int | None]  # (setup, connection) -> exit code (None: 0)
@@ -82,7 +84,11 @@ class Child:
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", _MAIN.format(root=_ROOT, fd=theirs.fileno(), parent=os.getpid())],
+                [
+                    sys.executable,
+                    "-c",
+                    _MAIN.format(root=_ROOT, fd=theirs.fileno(), parent=os.getpid(), target=target),
+                ],
                 pass_fds=(theirs.fileno(),),
                 close_fds=True,
                 start_new_session=new_session,

@@ -4,47 +4,58 @@ Chat templates are Jinja source written and tested by model authors against tran
 `apply_chat_template`, and clients compare our prompts with what transformers (or vLLM, which uses
 the same code) produces. A different rendering -- a stray newline from other whitespace settings,
 HTML-escaped JSON, a missing global -- gives the model a prompt it was not trained on. So
-`ChatTemplate` reproduces transformers' environment: Jinja's `ImmutableSandboxedEnvironment` with
-`trim_blocks`, `lstrip_blocks` and the loop-control extension; the globals `raise_exception`,
-`strftime_now`, `dict` and a `namespace` that refuses underscore-prefixed attributes; a `tojson`
-filter that does not HTML-escape; and messages whose None-valued keys are dropped, with reasoning
-also offered as `reasoning_content` and `thinking`.
+`ChatTemplate` reproduces transformers' environment (service.text.template_sandbox): Jinja's
+`ImmutableSandboxedEnvironment` with `trim_blocks`, `lstrip_blocks` and the loop-control extension;
+the globals `raise_exception`, `strftime_now`, `dict` and a `namespace` that refuses
+underscore-prefixed attributes; a `tojson` filter that does not HTML-escape; and messages whose
+None-valued keys are dropped, with reasoning also offered as `reasoning_content` and `thinking`.
 
 Differences from transformers: the `{% generation %}` tag is not supported; a content given as a
 list of parts may hold only text parts, and a template that expects a string content gets the
 parts' texts joined (transformers would fail on it). Templates run in the immutable sandbox and only
 ever see copies made of plain builtins, so they cannot reach Python internals or mutate caller data.
 
-Every render, the model's own template included, is limited: RENDER_CPU_SECONDS of its thread's CPU
-time (service.text.render_limit stops a template that loops without end, output or not) and
-MAX_RENDERED_CHARS of output (counted chunk by chunk as Jinja generates it; a repetition `*` or a
-power `**` that would build a larger value is refused before it is computed). A template a request
+Every template, the model's own included, is compiled and rendered under one bound. Compiling
+evaluates nothing (no constant is folded: what a compiled template holds is its source's literals and
+Jinja's code for it) and is stopped past RENDER_CPU_SECONDS of CPU. A render is stopped past
+RENDER_CPU_SECONDS of its thread's CPU time (service.text.render_limit stops a template that loops
+without end, output or not) and at MAX_RENDERED_CHARS of output, and every value it builds is
+bounded before it is built, each and together (service.text.template_sandbox: a hostile template
+costs its own request at most RENDER_CPU_SECONDS and MAX_BUILT_CHARS characters and
+MAX_BUILT_ITEMS items of memory, and the server answers in the meantime). A template a request
 brings (`chat_template`, when the operator trusts requests with it) is also limited to
-MAX_TEMPLATE_BYTES of source and compiled once per distinct source (`TemplateCache`).
+MAX_TEMPLATE_BYTES of source and compiled once per distinct source (`TemplateCache`, bounded by
+what its compiled templates hold).
 """
 
 from __future__ import annotations
 
-import json
 import threading
+import traceback
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.runtime import Context
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from service.text.render_limit import RenderTimeout, limited
+from service.text.template_sandbox import (
+    MAX_BUILT_CHARS,
+    MAX_BUILT_ITEMS,
+    MAX_VALUE_CHARS,
+    ChatTemplateError,
+    bounded_render,
+    jinja_env,
+)
 from service.util import one_line
 
 __all__ = [
+    "MAX_BUILT_CHARS",
+    "MAX_BUILT_ITEMS",
     "MAX_RENDERED_CHARS",
     "MAX_TEMPLATE_BYTES",
     "NO_CHAT_TEMPLATE",
@@ -57,15 +68,9 @@ __all__ = [
 NO_CHAT_TEMPLATE = "model has no chat template; use /v1/completions or set a chat template"
 
 MAX_TEMPLATE_BYTES = 64 * 1024  # a request's own chat_template source, in UTF-8 bytes
-RENDER_CPU_SECONDS = 2.0  # CPU time one render may take (a real template takes milliseconds)
-# Characters one render may produce, and items any one value it builds may hold: twice the largest
-# request body (NIM_MAX_REQUEST_BYTES' default), so no conversation a request can carry is refused.
-MAX_RENDERED_CHARS = 32 * 1024 * 1024
-_MAX_POWER_BITS = 1 << 16  # `a ** b` between integers: the largest result, in bits
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing, invalid, or refused to render these messages."""
+RENDER_CPU_SECONDS = 2.0  # CPU time one compile, or one render, may take (a real template: milliseconds)
+MAX_RENDERED_CHARS = MAX_VALUE_CHARS  # characters one render may produce
+_MAX_REASON_CHARS = 300  # of an error's own text in a refusal
 
 
 class ChatTemplate:
@@ -77,20 +82,29 @@ class ChatTemplate:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        env = _jinja_env()
         self._error: str | None = None  # why it does not compile
-        template, wants_parts, variables = None, False, frozenset[str]()
+        self._template: jinja2.Template | None = None
+        self._wants_parts = False  # pass list content through instead of joining its text
+        self._variables = frozenset[str]()
+        self.code_chars = 0  # of the Python code Jinja wrote for it: what the compiled template holds
         try:
-            ast = env.parse(source)
-            template, wants_parts = env.from_string(ast), _iterates_content(ast)
-            variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+            limited(self._compile, RENDER_CPU_SECONDS)
         except TemplateSyntaxError as exc:
             self._error = f"chat template is invalid: {exc.message} (line {exc.lineno})"
         except (RecursionError, SyntaxError, MemoryError):  # Jinja's parser, or Python's compiler
             self._error = "chat template is invalid: nested too deeply to compile"
-        self._template: jinja2.Template | None = template
-        self._wants_parts = wants_parts  # pass list content through instead of joining its text
-        self._variables = variables
+        except RenderTimeout:
+            self._error = f"chat template took over {RENDER_CPU_SECONDS:g} s of CPU time to compile; stopped"
+
+    def _compile(self) -> None:
+        env = jinja_env()
+        ast = env.parse(self.source)
+        code = env.compile(ast, raw=True)  # nothing is evaluated: constants are not folded
+        compiled = compile(code, "<template>", "exec")
+        self._template = env.template_class.from_code(env, compiled, env.make_globals(None))
+        self._wants_parts = _iterates_content(ast)
+        self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        self.code_chars = len(code)
 
     def reads(self, variable: str) -> bool:
         """Whether the template reads the variable `variable` (e.g. `tools`): one it never names
@@ -135,43 +149,65 @@ class ChatTemplate:
             raise ChatTemplateError("messages or tools are nested too deeply to render") from None
         try:
             return limited(lambda: _generate(template, variables), RENDER_CPU_SECONDS)
-        except RenderTimeout:
-            raise ChatTemplateError(
-                f"chat template took over {RENDER_CPU_SECONDS:g} s of CPU time to render; stopped"
-            ) from None
-        except ChatTemplateError:
-            raise
-        except SecurityError as exc:
-            raise ChatTemplateError(f"chat template attempted an unsafe operation: {one_line(exc)}") from exc
-        except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed to render: {one_line(exc)}") from exc
-        except Exception as exc:  # a template can trip any Python error (TypeError on str + list, ...)
-            raise ChatTemplateError(
-                f"chat template failed to render: {one_line(exc, with_type=True)}"
-            ) from exc
+        except BaseException as exc:  # each is said in one line, or re-raised
+            failure = _failure(exc)
+            _let_go(exc)
+            cause = None if isinstance(exc, (ChatTemplateError, RenderTimeout)) else exc
+        error = ChatTemplateError(failure)
+        error.__cause__ = cause  # its traceback dropped
+        raise error  # outside the handler: nothing of the render is kept with it
+
+
+def _failure(exc: BaseException) -> str:
+    """Why a render failed, in one line; re-raises what is not the template's failure."""
+    if isinstance(exc, RenderTimeout):
+        return f"chat template took over {RENDER_CPU_SECONDS:g} s of CPU time to render; stopped"
+    if isinstance(exc, ChatTemplateError):
+        return one_line(exc, limit=_MAX_REASON_CHARS)
+    if isinstance(exc, SecurityError):
+        return f"chat template attempted an unsafe operation: {one_line(exc, limit=_MAX_REASON_CHARS)}"
+    if isinstance(exc, TemplateError):
+        return f"chat template failed to render: {one_line(exc, limit=_MAX_REASON_CHARS)}"
+    if isinstance(exc, Exception):  # a template can trip any Python error (TypeError on str + list, ...)
+        return f"chat template failed to render: {one_line(exc, with_type=True, limit=_MAX_REASON_CHARS)}"
+    raise exc
+
+
+def _let_go(exc: BaseException | None) -> None:
+    """Drop what a failed render's exceptions hold: their tracebacks' frames keep the template's
+    variables (all it built), and Jinja's rewritten traceback ties them in a cycle that only the
+    cyclic collector would free, some time later; a render stopped for its size would keep its
+    memory until then."""
+    while exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__context__
 
 
 def _generate(template: jinja2.Template, variables: dict[str, Any]) -> str:
-    """The rendered text, chunk by chunk, stopped once it passes MAX_RENDERED_CHARS."""
+    """The rendered text, chunk by chunk, stopped once it passes MAX_RENDERED_CHARS; what the
+    template builds on the way is bounded by its render's budget."""
     chunks: list[str] = []
     size = 0
-    for chunk in template.generate(**variables):
-        size += len(chunk)
-        if size > MAX_RENDERED_CHARS:
-            raise ChatTemplateError(f"chat template rendered over {MAX_RENDERED_CHARS} characters; stopped")
-        chunks.append(chunk)
-    return "".join(chunks)
+    with bounded_render():
+        for chunk in template.generate(**variables):
+            size += len(chunk)
+            if size > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(f"chat template rendered over {MAX_RENDERED_CHARS} characters")
+            chunks.append(chunk)
+        return "".join(chunks)
 
 
 class TemplateCache:
     """Compiled templates of request-given sources, least recently used out, bounded by count and by
-    the bytes of source held (compiling a template costs far more than a cache lookup). Thread-safe:
-    conversations are rendered on worker threads."""
+    what they hold: each is charged its source's UTF-8 bytes and the characters of the code Jinja
+    wrote for it (nothing folded in: about the source's size). Compiling a template costs far more
+    than a cache lookup. Thread-safe: conversations are rendered on worker threads."""
 
     def __init__(self, max_entries: int = 64, max_bytes: int = 4 * 1024 * 1024) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._templates: OrderedDict[str, tuple[ChatTemplate, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -180,7 +216,7 @@ class TemplateCache:
 
     @property
     def nbytes(self) -> int:
-        """UTF-8 bytes of the sources held."""
+        """What the templates held are charged, together."""
         return self._bytes
 
     def get(self, source: str) -> ChatTemplate:
@@ -190,12 +226,13 @@ class TemplateCache:
         if size > MAX_TEMPLATE_BYTES:
             raise ChatTemplateError(f"chat_template is {size} bytes, over the {MAX_TEMPLATE_BYTES} limit")
         with self._lock:
-            template = self._templates.get(source)
-            if template is not None:
+            entry = self._templates.get(source)
+            if entry is not None:
                 self._templates.move_to_end(source)
+        template = entry[0] if entry is not None else None
         if template is None:
             template = ChatTemplate(source)  # outside the lock: other requests' lookups go on
-            self._put(source, size, template)
+            self._put(source, size + template.code_chars, template)
         if template.error is not None:
             raise ChatTemplateError(template.error)
         return template
@@ -204,111 +241,16 @@ class TemplateCache:
         with self._lock:
             if source in self._templates:
                 return
-            self._templates[source] = template
+            self._templates[source] = (template, size)
             self._bytes += size
             while len(self._templates) > self.max_entries or self._bytes > self.max_bytes:
-                evicted, _ = self._templates.popitem(last=False)
-                self._bytes -= len(evicted.encode("utf-8", "surrogatepass"))
+                _, (_, evicted) = self._templates.popitem(last=False)
+                self._bytes -= evicted
 
 
 # ---------------------------------------------------------------------------------------------
-# The Jinja environment
+# What templates read
 # ---------------------------------------------------------------------------------------------
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: Any = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own `tojson` HTML-escapes; templates are written against transformers' version, which does not.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateDict:
-    """`dict(...)` for templates without handing them the `dict` type itself (as transformers does)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore-prefixed attributes (as transformers does)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's Namespace signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(
-                f"chat templates cannot set underscore-prefixed namespace attributes ({name!r})"
-            )
-
-
-class _TemplateEnvironment(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, whose `*` and `**` refuse to build a value too large to hold."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for value, times in ((left, right), (right, left)):
-                sized = isinstance(value, (str, list, tuple)) and isinstance(times, int)
-                if sized and len(value) * times > MAX_RENDERED_CHARS:
-                    raise ChatTemplateError(
-                        f"chat template built a value of over {MAX_RENDERED_CHARS} items; stopped"
-                    )
-        elif operator == "**" and _power_bits(left, right) > _MAX_POWER_BITS:
-            raise ChatTemplateError(f"chat template computed a power of over {_MAX_POWER_BITS} bits; stopped")
-        return super().call_binop(context, operator, left, right)
-
-
-def _power_bits(base: Any, exponent: Any) -> int:
-    """About the bits of `base ** exponent` between integers (0 for anything else)."""
-    if not isinstance(base, int) or not isinstance(exponent, int) or exponent <= 0 or abs(base) <= 1:
-        return 0
-    return exponent * base.bit_length()
-
-
-_ENV: _TemplateEnvironment | None = None
-
-
-def _jinja_env() -> _TemplateEnvironment:
-    """The environment transformers renders chat templates in (less its `{% generation %}` tag)."""
-    global _ENV
-    if _ENV is None:
-        env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.globals["dict"] = _TemplateDict()
-        env.globals["namespace"] = _TemplateNamespace
-        _ENV = env
-    return _ENV
 
 
 def _reads_content(node: nodes.Node, aliases: set[str]) -> bool:

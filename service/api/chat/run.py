@@ -162,11 +162,13 @@ async def prepare(ready: Ready, body: ChatCompletionRequest, request: Request,
     name the chat field at fault (callers that translated their request rename them), 429 is left
     to the run. `request_id`: the response's id (default: a chat completion's)."""
     limits = state_of(request).limits
+    # A request's own template is compiled here (a second of CPU for the largest), off the event loop
+    tool_template = await asyncio.to_thread(template_for, ready.tokenizer, body, limits, True)
     tools = tool_spec(
         body.tools,
         body.tool_choice,
         body.parallel_tool_calls,
-        template_for(ready.tokenizer, body, limits, tools=True),
+        tool_template,
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )

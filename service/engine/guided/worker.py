@@ -80,12 +80,13 @@ class CompileWorker:
         child = self._ensure_ready()
         try:
             child.send(guided)
-            if not child.poll(timeout_s):
-                self.reap()
-                raise TimeoutError
-            return tuple(child.recv())
+            answered = child.poll(timeout_s)
+            if answered:
+                return tuple(child.recv())
         except (EOFError, OSError):
             raise CompileCrashedError(self.reap()) from None
+        self.reap()
+        raise TimeoutError  # outside the try: TimeoutError is an OSError
 
     def _ensure_ready(self) -> Child:
         child = self._child
