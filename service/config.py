@@ -725,6 +725,22 @@ class Settings(BaseSettings):
     def python_log_level(self) -> str:
         return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
 
+    # --- Responses API store (issue 39) ---
+    responses_store_max_count: int = Field(
+        0,
+        ge=0,
+        validation_alias=_env("NIM_RESPONSES_STORE_MAX_COUNT"),
+        description="POST /v1/responses with store: true keeps up to this many responses in memory (oldest "
+        "dropped first) for GET/DELETE /v1/responses/{id} and previous_response_id; 0 = no store.",
+    )
+    responses_store_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1,
+        validation_alias=_env("NIM_RESPONSES_STORE_MAX_BYTES"),
+        description="Memory bound of the Responses store (the JSON size of the responses and their "
+        "conversations); past it the oldest are dropped first.",
+    )
+
 
 def lora_modules(value: str | None) -> tuple[tuple[str, Path], ...]:
     """NIM_LORA_MODULES as (name, path) pairs: `name=path`, comma-separated. ValueError, one line,

@@ -47,21 +47,31 @@ from service.api.request_fields.chat_rows import (
     TOOL_CALL_FIELDS,
     TOOL_CALL_FUNCTION_FIELDS,
 )
+from service.api.request_fields.messages_rows import CONTENT_BLOCKS, MESSAGES_FIELDS
+from service.api.request_fields.responses_rows import INPUT_ITEMS, INPUT_PARTS, RESPONSES_FIELDS
 from service.api.request_fields.rule import (
+    ANTHROPIC,
     BOTH,
     CHAT,
     COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
     TEMPLATE,
     Endpoint,
+    ItemType,
     RequestField,
     shown,
 )
 
 __all__ = [
+    "CONTENT_BLOCKS",
     "FIELDS",
+    "INPUT_ITEMS",
+    "INPUT_PARTS",
     "Endpoint",
     "RequestField",
     "check_content_part",
+    "check_item",
     "check_message_fields",
     "check_request",
     "fields_for",
@@ -71,7 +81,7 @@ __all__ = [
     "unrecognized",
 ]
 
-FIELDS: tuple[RequestField, ...] = CHAT_FIELDS
+FIELDS: tuple[RequestField, ...] = CHAT_FIELDS + RESPONSES_FIELDS + MESSAGES_FIELDS
 _BY_NAME: dict[tuple[Endpoint, str], RequestField] = {
     (endpoint, f.name): f for f in FIELDS for endpoint in f.endpoints
 }
@@ -191,6 +201,22 @@ def _check_keys(sent: Mapping[str, Any], known: Sequence[str], param: str) -> No
             raise unrecognized(f"{param}.{key}")
 
 
+def check_item(types: Sequence[ItemType], item_type: Any, sent: Mapping[str, Any], param: str,
+               what: str) -> ItemType:  # fmt: skip
+    """400 for an item of a typed list (a Responses input item or content part, an Anthropic content
+    block: `what` says which) whose type is refused or unknown, naming `param`, or for a field its
+    type does not have, naming `param`.<field>; the item's type otherwise."""
+    by_type = {t.type: t for t in types}
+    kind = by_type.get(item_type) if isinstance(item_type, str) else None
+    if kind is None:
+        known = ", ".join(t.type for t in types if t.honoured_by is not None)
+        raise invalid_request(f"{what} type {shown(item_type)} is not supported (only {known})", param)
+    if kind.honoured_by is None:
+        raise invalid_request(f"{what} type {kind.type} is not supported by this server: {kind.why}", param)
+    _check_keys(sent, ("type", *kind.fields), param)
+    return kind
+
+
 def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
     for row in FIELDS:
         for endpoint in sorted(row.endpoints):
@@ -199,7 +225,20 @@ def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
 
 # --- The README's table ----------------------------------------------------------------------------
 
-_ENDPOINT_NAMES = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions"}
+_ENDPOINT_NAMES = {
+    BOTH: "both",
+    CHAT: "chat",
+    COMPLETIONS: "completions",
+    RESPONSES: "responses",
+    MESSAGES: "messages",
+    ANTHROPIC: "messages, count_tokens",
+}
+# The typed lists of the Responses and Messages bodies, as the README shows them.
+ITEM_TABLES: tuple[tuple[str, Sequence[ItemType]], ...] = (
+    ("responses `input` item type", INPUT_ITEMS),
+    ("responses message content part type", INPUT_PARTS),
+    ("messages content block type", CONTENT_BLOCKS),
+)
 
 
 def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
@@ -226,6 +265,13 @@ def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
         roles = ", ".join(sorted(field.roles)) if field.roles else "refused"
         by = TEMPLATE + "; " if field.roles else ""
         lines.append(f"| `{field.name}` | {roles} | {by}{field.note} |")
+    for title, types in ITEM_TABLES:
+        lines += ["", f"| {title} | honoured | fields | by / why |", "|---|---|---|---|"]
+        for kind in types:
+            status = "yes" if kind.honoured_by is not None else "refused"
+            by = f"{kind.honoured_by}; {kind.why}" if kind.honoured_by is not None else kind.why
+            fields = ", ".join(f"`{f}`" for f in kind.fields)
+            lines.append(f"| `{kind.type}` | {status} | {fields} | {by} |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ TOOLS = "service.api.tools"
 LOGPROBS = "service.api.logprobs"
 TEMPLATE = "service.text.chat_template"
 NO_EFFECT = "nothing to do (the answer does not depend on it)"
+CACHE = "service.engine.torch.block_pool"
 
 
 @dataclass(frozen=True)
