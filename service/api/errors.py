@@ -94,8 +94,8 @@ def anthropic_body(status: int, message: str) -> dict[str, Any]:
 def body_for(path: str, status: int, message: str, type: str, param: str | None = None,
              code: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The error body a client of `path` reads: Anthropic's on the Messages API, else OpenAI's."""
-    if path.startswith(ANTHROPIC_PATHS):
-        return anthropic_body(status, message)
+    if path.startswith(ANTHROPIC_PATHS):  # Anthropic's error has no param: the message names it
+        return anthropic_body(status, message if param is None or param in message else f"{param}: {message}")
     return error_body(message, type, param, code)
 
 

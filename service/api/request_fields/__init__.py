@@ -210,9 +210,12 @@ def check_item(types: Sequence[ItemType], item_type: Any, sent: Mapping[str, Any
     kind = by_type.get(item_type) if isinstance(item_type, str) else None
     if kind is None:
         known = ", ".join(t.type for t in types if t.honoured_by is not None)
-        raise invalid_request(f"{what} type {shown(item_type)} is not supported (only {known})", param)
+        raise invalid_request(
+            f"{param}: {what} type {shown(item_type)} is not supported (only {known})", param
+        )
     if kind.honoured_by is None:
-        raise invalid_request(f"{what} type {kind.type} is not supported by this server: {kind.why}", param)
+        raise invalid_request(f"{param}: {what} type {kind.type} is not supported by this server: {kind.why}",
+                              param)  # fmt: skip
     _check_keys(sent, ("type", *kind.fields), param)
     return kind
 

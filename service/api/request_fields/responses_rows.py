@@ -129,7 +129,14 @@ RESPONSES_FIELDS: tuple[RequestField, ...] = (
     ),
     honoured("tool_choice.name", _R, "OpenAI", TOOLS, "get_time"),
     honoured("text", _R, "OpenAI", GUIDED, {"format": {"type": "text"}}),
-    honoured("text.format", _R, "OpenAI", GUIDED, {"type": "json_object"}),
+    honoured(
+        "text.format",
+        _R,
+        "OpenAI",
+        GUIDED,
+        {"type": "json_object"},
+        "the answer's message; where tool_choice forces a call, the call is the whole answer",
+    ),
     partly(
         "text.format.type",
         _R,

@@ -180,6 +180,8 @@ def responses_param(param: str) -> str:
 def chat_request(body: ResponsesRequest, messages: ChatMessages) -> ChatCompletionRequest:
     """The chat completion `body` runs as (n is 1)."""
     reasoning = body.reasoning or {}
+    # A forced call is the whole answer: text.format shapes a message, and there is none
+    forced = bool(body.tools) and body.tool_choice not in (None, "auto", "none")
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
@@ -189,7 +191,7 @@ def chat_request(body: ResponsesRequest, messages: ChatMessages) -> ChatCompleti
         "tools": chat_tools(body.tools),
         "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": response_format(body.text),
+        "response_format": None if forced else response_format(body.text),
         "reasoning_effort": reasoning.get("effort"),
         "user": body.user,
         "stream": bool(body.stream),
