@@ -5,7 +5,8 @@ read) as a field with its default, bounds and description, and the checks across
 layered on top (service.config_loading.load_settings), and passed down explicitly. Nothing else in
 the code base reads the environment. What the fields mean downstream (LoRA, guided and scheduler
 limits, ...) is service.config_views, Settings' base; parsers of compound values are
-service.config_values.
+service.config_values; the fields of a self-contained feature are a base class of their own
+(service.config_responses).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.config_responses import ResponsesStoreFields
 from service.config_values import LogLevel, chat_template_source, lora_modules
 from service.config_views import SettingsViews
 from service.engine.config import (
@@ -42,7 +44,7 @@ def _env(name: str) -> AliasChoices:
     return AliasChoices(name)
 
 
-class Settings(SettingsViews, BaseSettings):
+class Settings(SettingsViews, ResponsesStoreFields, BaseSettings):
     """Service settings. Field docs are the configuration table in README.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)

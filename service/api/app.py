@@ -28,7 +28,10 @@ from service.api.chat.protocol import ChatCompletionChunk
 from service.api.completions import router as completions
 from service.api.completions.protocol import CompletionResponse
 from service.api.errors import install_error_handlers
+from service.api.messages import router as messages
 from service.api.middleware import BodySizeLimitMiddleware, RequestContextMiddleware
+from service.api.responses import router as responses
+from service.api.responses.store import ResponseStore
 from service.api.security import APIKeyStore
 from service.api.state import ApiLimits, Ready, ServiceState
 from service.api.tokens import router as tokens
@@ -73,10 +76,13 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = state
+    app.state.responses_store = ResponseStore(
+        settings.responses_store_max_count, settings.responses_store_max_bytes
+    )
     install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     # One package per endpoint: its router, its serving, its bodies (service.api.chat, ...).
-    for endpoint in (chat, completions, model_list, tokens):
+    for endpoint in (chat, completions, responses, messages, model_list, tokens):
         app.include_router(endpoint.router)
     app.include_router(system_routes.router)
     app.include_router(system_routes.root_router)

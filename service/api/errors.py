@@ -1,9 +1,12 @@
-"""Every error leaves the API in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Every error leaves the API in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, but
+on Anthropic's Messages API (/v1/messages...), where it is Anthropic's: {"type": "error", "error":
+{"type", "message"}}, its type by the status (a 503 is `overloaded_error`, with its Retry-After)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +41,18 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+@contextlib.contextmanager
+def params_renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """An APIError raised inside names its `param` as `rename` says: an endpoint that translates its
+    request into another (Responses and Messages into a chat completion) names its own fields."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param is not None:
+            exc.param = rename(exc.param)
+        raise
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,
@@ -58,6 +73,32 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": _printable(message), "type": type, "param": _printable(param), "code": code}}
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": _printable(message)}}
+
+
+def body_for(path: str, status: int, message: str, type: str, param: str | None = None,
+             code: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The error body a client of `path` reads: Anthropic's on the Messages API, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):  # Anthropic's error has no param: the message names it
+        return anthropic_body(status, message if param is None or param in message else f"{param}: {message}")
+    return error_body(message, type, param, code)
+
+
 def _printable(text: str | None) -> str | None:
     """Echoed client text may hold lone surrogates, which UTF-8 cannot encode: escape them."""
     if text is None:
@@ -65,10 +106,9 @@ def _printable(text: str | None) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(err.message, err.type, err.param, err.code), err.status, headers=err.headers
-    )
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    body = body_for(path, err.status, err.message, err.type, err.param, err.code)
+    return JSONResponse(body, err.status, headers=err.headers)
 
 
 # pydantic's names for union branches in an error's loc, beside "list[...]" and the like
@@ -111,16 +151,16 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(InvalidTextError)
     async def _invalid_text(request: Request, exc: InvalidTextError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), 400)
+        return JSONResponse(body_for(request.url.path, 400, str(exc), "invalid_request_error"), 400)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param), 400)
+        return JSONResponse(body_for(request.url.path, 400, message, "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -131,14 +171,13 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
-            error_body(message, type_), exc.status_code, headers=getattr(exc, "headers", None)
-        )
+        body = body_for(request.url.path, exc.status_code, message, type_)
+        return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error", "server_error"), 500)
+        return JSONResponse(body_for(request.url.path, 500, "internal server error", "server_error"), 500)
 
 
 class ErrorDetail(BaseModel):
@@ -155,4 +194,19 @@ class ErrorResponse(BaseModel):
 # What each API route declares it may answer with, for the OpenAPI document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: str = "error"
+    error: AnthropicErrorDetail
+
+
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
 }

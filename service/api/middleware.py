@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_body
+from service.api.errors import body_for
 from service.api.security import APIKeyStore
 from service.logs import TraceContext, request_id_var, trace_var
 from service.telemetry.tracing import RequestTracing, span_ids
@@ -86,7 +86,7 @@ class RequestContextMiddleware:
             trace_token = trace_var.set(_trace_context(caller, span))
             try:
                 if self.keys.enabled and not _open(scope["path"]) and not self._authorized(headers):
-                    await _unauthorized(send_with_id)
+                    await _unauthorized(send_with_id, scope["path"])
                     return
                 await self.app(scope, receive, send_with_id)
             finally:
@@ -113,19 +113,17 @@ class RequestContextMiddleware:
         return self.tracing.request_span(scope["method"], scope["path"], caller)
 
     def _authorized(self, headers: dict[str, str]) -> bool:
+        """The key as a bearer token, or in x-api-key (as Anthropic's clients send it)."""
         scheme, _, credential = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and bool(credential) and self.keys.verify(credential.strip())
+        if scheme.lower() == "bearer" and credential.strip():
+            return self.keys.verify(credential.strip())
+        api_key = headers.get("x-api-key", "").strip()
+        return bool(api_key) and self.keys.verify(api_key)
 
 
-async def _unauthorized(send: Send) -> None:
-    body = json.dumps(
-        error_body(
-            "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-            "invalid_request_error",
-            None,
-            "invalid_api_key",
-        )
-    ).encode()
+async def _unauthorized(send: Send, path: str) -> None:
+    message = "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+    body = json.dumps(body_for(path, 401, message, "invalid_request_error", None, "invalid_api_key")).encode()
     await send(
         {
             "type": "http.response.start",
@@ -158,7 +156,7 @@ class BodySizeLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+                await _too_large(send, self.max_bytes, scope["path"])
                 return
             await self.app(scope, receive, send)
             return
@@ -171,7 +169,7 @@ class BodySizeLimitMiddleware:
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+                await _too_large(send, self.max_bytes, scope["path"])
                 return
             if not message.get("more_body", False):
                 break
@@ -187,9 +185,11 @@ class BodySizeLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _too_large(send: Send, limit: int) -> None:
+async def _too_large(send: Send, limit: int, path: str) -> None:
     message = f"request body exceeds {limit} bytes"
-    body = json.dumps(error_body(message, "invalid_request_error", None, "request_too_large")).encode()
+    body = json.dumps(
+        body_for(path, 413, message, "invalid_request_error", None, "request_too_large")
+    ).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,6 @@
-"""Server-sent events: a stream of `data:` frames, a failure mid-stream as an error frame (the status
-line has gone out already), and the admission slot released exactly once however it ends."""
+"""Server-sent events: a stream of frames, a failure mid-stream as an error frame (the status line has
+gone out already; OpenAI's `data: {"error": ...}` unless the endpoint renders its own), and the
+admission slot released exactly once however it ends."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse(events: AsyncIterator[str], state: ServiceState) -> StreamingResponse:
+def sse(
+    events: AsyncIterator[str], state: ServiceState, render_error: Callable[[APIError], str] | None = None
+) -> StreamingResponse:
     """Stream events; the admission slot is released exactly once, however the stream ends
-    (finished, failed, client gone before or after the first byte)."""
+    (finished, failed, client gone before or after the first byte). A failure is sent as
+    `render_error` renders it (default: OpenAI's error frame, then `[DONE]`)."""
     released = False
 
     def release() -> None:
@@ -32,14 +36,17 @@ def sse(events: AsyncIterator[str], state: ServiceState) -> StreamingResponse:
             released = True
             state.release()
 
-    guarded = guard(events, release, state.limits.request_timeout_seconds)
+    guarded = guard(events, release, state.limits.request_timeout_seconds, render_error or sse_error)
     return StreamingResponse(
         guarded, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(release)
     )
 
 
 async def guard(
-    events: AsyncIterator[str], release: Callable[[], None], timeout_s: float | None
+    events: AsyncIterator[str],
+    release: Callable[[], None],
+    timeout_s: float | None,
+    render_error: Callable[[APIError], str],
 ) -> AsyncIterator[str]:
     """A failure mid-stream becomes an error frame: the status line has already gone out."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -47,13 +54,13 @@ async def guard(
         async for event in events:
             yield event
             if deadline is not None and time.monotonic() > deadline:
-                yield sse_error(timed_out(timeout_s))
+                yield render_error(timed_out(timeout_s))
                 return
     except APIError as exc:
-        yield sse_error(exc)
+        yield render_error(exc)
     except Exception:
         log.exception("stream failed")
-        yield sse_error(APIError(500, "internal server error", "server_error"))
+        yield render_error(APIError(500, "internal server error", "server_error"))
     finally:
         if hasattr(events, "aclose"):
             await events.aclose()  # aborts the engine requests if the stream ended early

@@ -27,6 +27,10 @@ markers), so the call always parses and its arguments validate. For pythonic the
 first, and Python-literal values typed by each parameter's schema where it names a string, integer,
 number, boolean or enum (other values: any literal).
 
+A function sent with `strict: true` (the Responses API's agents send every tool so) has its
+arguments checked against its schema where no grammar made them (tool_choice auto,
+service.api.strict_schema): a call that does not conform is not a call, and stays content.
+
 `parallel_tool_calls: false` promises at most one call. A grammar (required, named) makes exactly
 one. Under auto, a hermes answer is stopped at the end of its first call (the close marker is a
 stop string), so no second call is ever generated; llama3_json and mistral write all calls as one
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from service.api.errors import invalid_request
+from service.api.strict_schema import conforms
 from service.engine.protocol import GuidedDecoding
 from service.text.chat_template import ChatTemplate
 
@@ -87,6 +92,17 @@ class ToolSpec:
     functions: dict[str, dict[str, Any]]  # name -> parameters schema
     choice: str | None  # "auto", "required", a function name; None: tools are not used
     parallel: bool = True
+    strict: frozenset[str] = frozenset()  # functions whose arguments must meet their schema
+
+    def conforms(self, call: ToolCall) -> bool:
+        """A call of a strict function has arguments that meet its schema (service.api.strict_schema)."""
+        if call.name not in self.strict:
+            return True
+        try:
+            arguments = json.loads(call.arguments)
+        except (ValueError, RecursionError):
+            return False
+        return conforms(arguments, self.functions[call.name])
 
     @property
     def forced(self) -> bool:
@@ -145,7 +161,11 @@ class ToolSpec:
             calls = _PARSE[self.parser](parsed)
         except RecursionError:  # JSON nested past what json reads: not a call
             calls = None
-        if calls is None or not calls or any(c.name not in self.functions for c in calls):
+        if (
+            calls is None
+            or not calls
+            or any(c.name not in self.functions or not self.conforms(c) for c in calls)
+        ):
             return text, []
         if not self.parallel and len(calls) > 1:
             log.warning("parallel_tool_calls is false but the model made %d tool calls (%s); only the "
@@ -277,6 +297,7 @@ def tool_spec(
     if not tools:
         return None
     functions: dict[str, dict[str, Any]] = {}
+    strict: set[str] = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
@@ -293,6 +314,8 @@ def tool_spec(
                 f"two tools are named {name!r}; function names must be unique", f"tools.{i}.function.name"
             )
         functions[name] = _parameters(name, function.get("parameters"), f"tools.{i}.function.parameters")
+        if function.get("strict") is True:
+            strict.add(name)
     choice = _choice(tool_choice, functions)
     if choice is None:
         return None
@@ -325,7 +348,7 @@ def tool_spec(
             "named function",
             "tool_choice",
         )
-    return ToolSpec(parser, functions, choice, parallel_tool_calls is not False)
+    return ToolSpec(parser, functions, choice, parallel_tool_calls is not False, frozenset(strict))
 
 
 def _parameters(name: str, parameters: Any, param: str) -> dict[str, Any]:

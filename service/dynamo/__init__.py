@@ -66,7 +66,8 @@ _API = (
     "trust_request_chat_template", "reasoning_parser", "enable_auto_tool_choice", "dynamo_router_mode",
     "dynamo_router_track_active_blocks", "enable_otel", "otel_exporter_otlp_endpoint",
     "otel_exporter_otlp_traces_endpoint", "otel_traces_exporter", "otel_service_name", "cors_expose_headers",
-    "cors_max_age", "allow_runtime_lora_updating", "seed",
+    "cors_max_age", "allow_runtime_lora_updating", "seed", "responses_store_max_count",
+    "responses_store_max_bytes",
 )  # fmt: skip
 SETTING_ROLES: dict[str, str] = {
     **dict.fromkeys(_BOTH, "both"),

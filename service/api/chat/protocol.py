@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from service.api.errors import invalid_request
 from service.api.request_fields import Endpoint
 from service.api.schemas import ChatLogprobs, ChatMessage, FinishReason, SamplingFields, Usage
 
@@ -27,6 +29,17 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions: the template a conversation is rendered with and variables passed to it
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def chat_body(fields: dict[str, Any], rename: Callable[[str], str]) -> ChatCompletionRequest:
+    """The chat completion another endpoint's request runs as (Responses, Messages), from `fields`
+    (None: not sent); a value chat cannot take is a 400 naming that endpoint's field (`rename`)."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = rename(".".join(str(p) for p in error.get("loc", ())))
+        raise invalid_request(f"{param}: {error['msg']}", param) from None
 
 
 class ResponseMessage(BaseModel):

@@ -1,142 +1,37 @@
-"""Every field a client may send to /v1/chat/completions and /v1/completions, in one table.
-
-The rule, for every field of OpenAI's two request bodies, of vLLM's extensions to them and of NIM's
-`nvext` object: it is honoured (the table names the module that honours it), or honoured for some
-values only, or refused with a 400 whose `param` names it and whose message says why in one line.
-Nothing is accepted and ignored.
-
-- A value is honoured when this server does what it asks. A value that asks for what the server
-  does anyway is honoured too: `use_beam_search: false`, `priority: 0`, `store: false`,
-  `service_tier: "default"`, `stream_options.include_obfuscation: false` (clients that serialise a
-  whole request model send such defaults); a value that asks for anything else is refused.
-- `null` means "not sent", for every optional field: never refused (`logit_bias: null`,
-  `stream_options: null` are fine). Pydantic (service.api.schemas) checks the types and ranges of
-  the fields it declares before this table is read.
-- A field the table does not list for the endpoint is refused as OpenAI refuses one:
-  `Unrecognized request argument supplied: <name>`. Objects with fields of their own
-  (`stream_options`, `nvext`, `structured_outputs`, `response_format` and its `json_schema`,
-  `tool_choice`, each of `tools` and its `function`) are walked: their fields are rows here, with
-  dotted names (`N` standing for a list item's index: `tools.N.function.name`), refused the same way
-  when unknown, naming the item (`tools.0.function.yy`). Free-form values (a JSON schema, template
-  variables, `logit_bias`, `metadata`) are not walked.
-- Content parts of chat messages are listed by type (CONTENT_PARTS): text only; an image, audio,
-  video or file part is refused naming `messages.N.content.M`, and a text or refusal part's fields
-  beyond its type and its text are refused naming `messages.N.content.M.<field>`. A message's own
-  fields are listed in MESSAGE_FIELDS with the roles whose messages carry them to the chat template:
-  each is passed on or refused naming `messages.N.<field>` (also on a role that does not carry it);
-  an assistant's tool calls are walked the same way (`messages.N.tool_calls.M.<field>`), and a tool
-  message must name the call it answers (`tool_call_id`), as OpenAI requires.
-
-`reject_unsupported` (service.api.generation) applies the table to each request before anything
-else is done with it; `markdown_table` renders it for the README, and the tests walk it whole.
-"""
+"""The rows of OpenAI's chat and completions request bodies, of vLLM's extensions to them and of
+NIM's `nvext` object; chat messages' content parts and fields (service.api.request_fields' rule)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
-from pydantic import BaseModel
-
-from service.api.errors import APIError, invalid_request
-
-Endpoint = Literal["chat", "completions"]
-CHAT: frozenset[Endpoint] = frozenset({"chat"})
-COMPLETIONS: frozenset[Endpoint] = frozenset({"completions"})
-BOTH: frozenset[Endpoint] = CHAT | COMPLETIONS
-
-# Whether a sent (non-null) value is honoured; it sees the request's other top-level fields too.
-Accepts = Callable[[Any, Mapping[str, Any]], bool]
-
-# Where fields are honoured (module paths, for the docs).
-GENERATION = "service.api.generation"
-CHAT_SERVING = "service.api.chat.serving"
-COMPLETIONS_SERVING = "service.api.completions.serving"
-SERVING = f"{CHAT_SERVING}, {COMPLETIONS_SERVING}"
-GUIDED = "service.api.guided"
-TOOLS = "service.api.tools"
-LOGPROBS = "service.api.logprobs"
-TEMPLATE = "service.text.chat_template"
-NO_EFFECT = "nothing to do (the answer does not depend on it)"
-
-
-@dataclass(frozen=True)
-class RequestField:
-    """One request field on the endpoints it belongs to. `honoured_by` None: refused whatever its
-    value; `accepts` set: honoured only for the values it accepts (`honoured_values` says which,
-    in words), the others refused because `why`."""
-
-    name: str  # dotted for fields of an object: "stream_options.include_usage"
-    endpoints: frozenset[Endpoint]
-    origin: Literal["OpenAI", "vLLM", "NIM"]
-    honoured_by: str | None
-    why: str = ""  # why (some values are) refused; for honoured fields, an optional note
-    accepts: Accepts | None = None
-    honoured_values: str = ""
-    example: Any = None  # a value clients send: honoured (for a refused field: refused)
-    refused_example: Any = None  # for a field honoured for some values: a refused one
-
-    @property
-    def kind(self) -> Literal["honoured", "partly", "refused"]:
-        if self.honoured_by is None:
-            return "refused"
-        return "honoured" if self.accepts is None else "partly"
-
-    def refusal(self, value: Any, body: Mapping[str, Any], param: str | None = None) -> str | None:
-        """Why `value` (sent, not null) is refused, in one line, naming `param` (where it was sent:
-        the row's name with its list indices); None when it is honoured."""
-        where = param or self.name
-        if self.honoured_by is None:
-            return f"{where} is not supported by this server: {self.why}"
-        if self.accepts is not None and not self.accepts(value, body):
-            return f"{where} {_shown(value)} is not supported by this server: {self.why}"
-        return None
-
-
-@dataclass(frozen=True)
-class ContentPart:
-    """A chat message content part type: honoured (joined into the message's text) or refused."""
-
-    type: str
-    honoured_by: str | None
-    why: str = ""
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality: true is not 1, 1 is 1.0."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    return bool(a == b)
-
-
-def only(*values: Any) -> Accepts:
-    """Honoured for these values (compared as JSON) and no others."""
-    return lambda value, body: any(_same(value, v) for v in values)
-
-
-def honoured(name: str, endpoints: frozenset[Endpoint], origin: Any, by: str, example: Any,
-             note: str = "") -> RequestField:  # fmt: skip
-    return RequestField(name, endpoints, origin, by, note, example=example)
-
-
-def refused(name: str, endpoints: frozenset[Endpoint], origin: Any, why: str, example: Any) -> RequestField:
-    return RequestField(name, endpoints, origin, None, why, example=example)
-
-
-def partly(name: str, endpoints: frozenset[Endpoint], origin: Any, by: str, accepts: Accepts, values: str,
-           why: str, example: Any, refused_example: Any) -> RequestField:  # fmt: skip
-    return RequestField(name, endpoints, origin, by, why, accepts, values, example, refused_example)
+from service.api.request_fields.rule import (
+    BOTH,
+    CHAT,
+    CHAT_SERVING,
+    COMPLETIONS,
+    COMPLETIONS_SERVING,
+    GENERATION,
+    GUIDED,
+    LOGPROBS,
+    NO_EFFECT,
+    SERVING,
+    TEMPLATE,
+    TOOLS,
+    ContentPart,
+    MessageField,
+    RequestField,
+    honoured,
+    only,
+    partly,
+    refused,
+    same,
+)
 
 
 def _best_of_is_n(value: Any, body: Mapping[str, Any]) -> bool:
-    return _same(value, body.get("n") if body.get("n") is not None else 1)
+    return same(value, body.get("n") if body.get("n") is not None else 1)
 
 
 def _special_tokens_skipped(value: Any, body: Mapping[str, Any]) -> bool:
@@ -157,7 +52,7 @@ _NO_MULTIMODAL = "this model takes text only (no image, audio or video input)"
 _BACKEND = "the server chooses the grammar backend (xgrammar); leave it out"
 _NOT_STORED = "nothing is stored here (store: true is refused)"
 
-FIELDS: tuple[RequestField, ...] = (
+CHAT_FIELDS: tuple[RequestField, ...] = (
     # --- OpenAI: both endpoints -----------------------------------------------------------------
     honoured("model", BOTH, "OpenAI", SERVING, "embedded", "the served model's name or a LoRA adapter's"),
     honoured("frequency_penalty", BOTH, "OpenAI", GENERATION, 0.5),
@@ -391,17 +286,6 @@ ASSISTANT: frozenset[str] = frozenset({"assistant"})
 ALL_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-@dataclass(frozen=True)
-class MessageField:
-    """A field of one chat message beyond `role` and `content`: passed on to the chat template on
-    messages of `roles` (service.api.chat.prompt), refused on others; no roles: refused on every
-    message, because `note`."""
-
-    name: str
-    roles: frozenset[str]
-    note: str
-
-
 _MESSAGE_FIELDS = (
     MessageField("name", ALL_ROLES, "the participant's name"),
     MessageField("tool_calls", ASSISTANT, "an assistant's calls, arguments parsed to objects"),
@@ -416,176 +300,3 @@ MESSAGE_FIELDS: dict[str, MessageField] = {f.name: f for f in _MESSAGE_FIELDS}
 # The fields of an assistant message's tool call, and of its function.
 TOOL_CALL_FIELDS = ("id", "type", "function")
 TOOL_CALL_FUNCTION_FIELDS = ("name", "arguments")
-
-_BY_NAME: dict[tuple[Endpoint, str], RequestField] = {
-    (endpoint, f.name): f for f in FIELDS for endpoint in f.endpoints
-}
-# Objects (and lists, as `name.N`) whose fields are rows of their own, by endpoint.
-_PARENTS: frozenset[tuple[Endpoint, str]] = frozenset(
-    (endpoint, name.rsplit(".", 1)[0]) for endpoint, name in _BY_NAME if "." in name
-)
-_PARTS = {p.type: p for p in CONTENT_PARTS}
-
-
-def fields_for(endpoint: Endpoint) -> list[RequestField]:
-    return [f for f in FIELDS if endpoint in f.endpoints]
-
-
-def lookup(endpoint: Endpoint, name: str) -> RequestField | None:
-    return _BY_NAME.get((endpoint, name))
-
-
-def unrecognized(name: str) -> APIError:
-    return invalid_request(f"Unrecognized request argument supplied: {name}", name)
-
-
-def check_request(endpoint: Endpoint, request: BaseModel) -> None:
-    """400 for the first sent field (null ones are not sent) the table refuses or does not list
-    for `endpoint`; objects with rows of their own (stream_options, nvext, structured_outputs,
-    response_format, tool_choice, each tool) are walked field by field."""
-    fields = sent_fields(request)
-    _check(endpoint, fields, {key: _plain(value) for key, value in fields.items()}, "", "")
-
-
-def sent_fields(model: BaseModel) -> dict[str, Any]:
-    """The fields a client sent in an object: declared ones (in declared order), then the others."""
-    declared = {
-        info.alias or name: getattr(model, name)
-        for name, info in type(model).model_fields.items()
-        if name in model.model_fields_set
-    }
-    return {**declared, **(model.model_extra or {})}
-
-
-def _check(endpoint: Endpoint, fields: Mapping[str, Any], body: Mapping[str, Any], name_prefix: str,
-           param_prefix: str) -> None:  # fmt: skip
-    """`fields` of the object whose rows begin `name_prefix` ("tools.N.") and which was sent at
-    `param_prefix` ("tools.0.")."""
-    for key, value in fields.items():
-        if value is None:
-            continue
-        name, param = name_prefix + key, param_prefix + key
-        row = lookup(endpoint, name)
-        if row is None:
-            raise unrecognized(param)
-        why = row.refusal(_plain(value), body, param)
-        if why is not None:
-            raise invalid_request(why, param)
-        inner = sent_fields(value) if isinstance(value, BaseModel) else value
-        if (endpoint, name) in _PARENTS and isinstance(inner, Mapping):
-            _check(endpoint, inner, body, name + ".", param + ".")
-        elif (endpoint, name + ".N") in _PARENTS and isinstance(inner, list):
-            for i, item in enumerate(inner):
-                if isinstance(item, Mapping):
-                    _check(endpoint, item, body, name + ".N.", f"{param}.{i}.")
-
-
-def _plain(value: Any) -> Any:
-    """A pydantic object as the JSON it came from (for the value checks and messages)."""
-    return value.model_dump(exclude_unset=True, by_alias=True) if isinstance(value, BaseModel) else value
-
-
-def check_message_fields(role: str, sent: Mapping[str, Any], param: str) -> None:
-    """400 for a field of one chat message (`param`: messages.N) that is not carried to the template
-    on a message of `role`, or for a tool message that names no call; an assistant's tool calls are
-    walked too."""
-    for name, value in sent.items():
-        if value is None or name in ("role", "content"):
-            continue
-        field = MESSAGE_FIELDS.get(name)
-        if field is None:
-            raise unrecognized(f"{param}.{name}")
-        if not field.roles:
-            raise invalid_request(f"{param}.{name} is not supported by this server: {field.note}",
-                                  f"{param}.{name}")  # fmt: skip
-        if role not in field.roles:
-            raise invalid_request(
-                f"{param}.{name} is not read on a {role} message (only on {', '.join(sorted(field.roles))} "
-                "messages)",
-                f"{param}.{name}",
-            )
-    if role == "tool" and not isinstance(sent.get("tool_call_id"), str):
-        raise invalid_request(
-            f"{param}.tool_call_id is required: a tool message answers the tool call it names",
-            f"{param}.tool_call_id",
-        )
-    calls = sent.get("tool_calls")
-    for j, call in enumerate(calls if isinstance(calls, list) else ()):
-        if isinstance(call, Mapping):
-            _check_keys(call, TOOL_CALL_FIELDS, f"{param}.tool_calls.{j}")
-            function = call.get("function")
-            if isinstance(function, Mapping):
-                _check_keys(function, TOOL_CALL_FUNCTION_FIELDS, f"{param}.tool_calls.{j}.function")
-
-
-def check_content_part(part_type: str, sent: Mapping[str, Any], param: str) -> None:
-    """400 for a content part this model cannot take, or a field its type does not have, naming
-    `messages.N.content.M` (and the field)."""
-    part = _PARTS.get(part_type)
-    if part is None:
-        known = ", ".join(p.type for p in CONTENT_PARTS if p.honoured_by is not None)
-        raise invalid_request(f"content part type {_shown(part_type)} is not supported (only {known})", param)
-    if part.honoured_by is None:
-        raise invalid_request(part.why, param)
-    _check_keys(sent, ("type", *CONTENT_PART_FIELDS.get(part_type, ())), param)
-
-
-def _check_keys(sent: Mapping[str, Any], known: Sequence[str], param: str) -> None:
-    for key, value in sent.items():
-        if value is not None and key not in known:
-            raise unrecognized(f"{param}.{key}")
-
-
-def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
-    for row in FIELDS:
-        for endpoint in sorted(row.endpoints):
-            yield endpoint, row
-
-
-# --- The README's table ----------------------------------------------------------------------------
-
-_ENDPOINT_NAMES = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions"}
-
-
-def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
-    """The table as README.md shows it, between `<!-- request-fields:start -->` and
-    `<!-- request-fields:end -->` (a test holds the two together)."""
-    lines = [
-        "| field | endpoints | from | honoured | by / why |",
-        "|---|---|---|---|---|",
-    ]
-    for row in rows:
-        where = _ENDPOINT_NAMES[row.endpoints]
-        lines.append(f"| `{row.name}` | {where} | {row.origin} | {_status(row)} | {_reason(row)} |")
-    lines += ["", "| content part type | honoured | by / why |", "|---|---|---|"]
-    for part in CONTENT_PARTS:
-        status = "yes" if part.honoured_by is not None else "refused"
-        reason = (
-            part.why
-            if part.honoured_by is None
-            else f"{part.honoured_by}" + (f"; {part.why}" if part.why else "")
-        )
-        lines.append(f"| `{part.type}` | {status} | {reason} |")
-    lines += ["", "| message field | carried on | by / why |", "|---|---|---|"]
-    for field in MESSAGE_FIELDS.values():
-        roles = ", ".join(sorted(field.roles)) if field.roles else "refused"
-        by = TEMPLATE + "; " if field.roles else ""
-        lines.append(f"| `{field.name}` | {roles} | {by}{field.note} |")
-    return "\n".join(lines) + "\n"
-
-
-def _status(row: RequestField) -> str:
-    if row.kind == "refused":
-        return "refused"
-    if row.kind == "partly":
-        return f"only {row.honoured_values}"
-    return "yes"
-
-
-def _reason(row: RequestField) -> str:
-    if row.kind == "refused":
-        return row.why
-    where = row.honoured_by or ""
-    if row.kind == "partly":
-        return f"{where}; {row.why}"
-    return where + (f"; {row.why}" if row.why else "")
