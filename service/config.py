@@ -37,6 +37,11 @@ from service.engine.config import (
     step_defaults,
 )
 from service.engine.precision import QUANTIZED_PRECISIONS
+from service.engine.speculative_config import (
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    parse_speculative_config,
+)
 from service.nim_variables import check_environment
 from service.serve_flags import FlagError, passthrough_flags
 from service.store.model_uri import ModelRef, ModelRefError, parse_model_ref, resolve_model_ref
@@ -724,6 +729,36 @@ class Settings(BaseSettings):
     @property
     def python_log_level(self) -> str:
         return {"DEFAULT": "INFO", "TRACE": "DEBUG"}.get(self.log_level, self.log_level)
+
+    # --- Speculative decoding (issue 42) ---
+    speculative_config: str | None = Field(
+        None,
+        validation_alias=_env("NIM_SPECULATIVE_CONFIG"),
+        description="Speculative decoding, as the JSON of vLLM's --speculative-config: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} (prompt lookup) or '
+        '{"model": PATH, "num_speculative_tokens": N} (a draft model sharing the tokenizer); unset: off. '
+        "Greedy output is unchanged, sampled output keeps its distribution; speculation backs off for "
+        "requests whose proposals are rejected. The torch engine only.",
+    )
+    draft_model_path: str | None = Field(
+        None,
+        validation_alias=_env("NIM_DRAFT_MODEL_PATH"),
+        description="A draft model's directory for speculative decoding (4 tokens a step unless "
+        "NIM_SPECULATIVE_CONFIG says otherwise); it must share the served model's tokenizer.",
+    )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """NIM_SPECULATIVE_CONFIG and NIM_DRAFT_MODEL_PATH, parsed (checked when Settings is built)."""
+        return parse_speculative_config(self.speculative_config, self.draft_model_path)
+
+    @model_validator(mode="after")
+    def _speculative_settings(self) -> Settings:
+        try:
+            parse_speculative_config(self.speculative_config, self.draft_model_path)
+        except SpeculativeConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
 def lora_modules(value: str | None) -> tuple[tuple[str, Path], ...]:

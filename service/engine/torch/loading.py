@@ -115,8 +115,18 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
 
 
+def check_speculative(config: EngineConfig) -> None:
+    """Refuse the speculation this engine cannot run yet, before anything is loaded."""
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        raise UnsupportedConfigError(
+            f"NIM_DRAFT_MODEL_PATH / a draft model in NIM_SPECULATIVE_CONFIG ({config.speculative.model}): "
+            'draft-model speculation is not in this build yet; use {"method": "ngram", ...} or unset them'
+        )
+
+
 def build_core(config: EngineConfig) -> TorchEngineCore:
     device, dtype = resolve_device(config)
+    check_speculative(config)
     config = resolve_step_limits(config, device)  # unset NIM_MAX_NUM_SEQS etc.: this device's defaults
     check_lora(config)
     check_guided(config)
@@ -169,6 +179,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         unified_attention=config.unified_attention,
         guided=config.guided,
         record_kv_events=config.kv_cache.record_events,
+        speculative=config.speculative,
     )
     quantized = config.precision not in FLOAT_PRECISIONS
     info = EngineInfo(
