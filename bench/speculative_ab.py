@@ -30,7 +30,23 @@ TEXT = (
     "the members agreed to move the opening date to the spring, to hire two more librarians, and to "
     "spend the remaining funds on children's books and a small reading garden behind the building."
 )
-WORDS = "time year people way day man thing woman life child world school state family student".split()
+WORDS = [
+    "time",
+    "year",
+    "people",
+    "way",
+    "day",
+    "man",
+    "thing",
+    "woman",
+    "life",
+    "child",
+    "world",
+    "school",
+    "state",
+    "family",
+    "student",
+]
 
 
 def prompt_of(core: TorchEngineCore, workload: str, round_index: int) -> list[int]:
@@ -46,7 +62,7 @@ def prompt_of(core: TorchEngineCore, workload: str, round_index: int) -> list[in
 def generate(core: TorchEngineCore, prompt: list[int], output_len: int, tag: str) -> tuple[float, int]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     core.add_request(GenerationRequest(tag, prompt, params, time.monotonic()))
-    started, first, count = time.perf_counter(), None, 0
+    first, count = None, 0
     while core.has_work():
         for out in core.step():
             if out.token_ids and first is None:
@@ -66,7 +82,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--speculative-config",
-        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+        default='{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}',
     )
     args = parser.parse_args()
     settings = load_settings(
