@@ -8,7 +8,8 @@ draft model on its own (or agrees with the JSON's "model"). What is understood:
   request's tokens proposes the K tokens that followed it. As in vLLM, an unset bound takes the
   other's value, and both unset are 5 (vLLM's default ngram window).
 - `{"model": PATH, "num_speculative_tokens": K}` (method "draft_model", implied by "model"): a smaller
-  model sharing the target's tokenizer proposes K greedy tokens a step.
+  model sharing the target's tokenizer proposes K tokens a step (its argmax for greedy rows, drawn
+  from its own distribution for sampled ones: service.engine.torch.speculative.draft).
 - `disable_by_batch_size`: no speculation while that many requests or more run (vLLM's meaning);
   `draft_tensor_parallel_size` passes when 1.
 

@@ -70,7 +70,8 @@ from service.engine.torch.outputs import LiveRequest, refuse
 from service.engine.torch.planner import StepPlanner
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from service.engine.torch.speculative.choice import DraftProposer, speculation
+from service.engine.torch.speculative.choice import speculation
+from service.engine.torch.speculative.draft import DraftModel
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.model.config import ModelConfig
@@ -112,11 +113,11 @@ class TorchEngineCore:
         tp_group: TPGroup | None = None,
         adapters: LoraStore | None = None,
         lora_slots: LoraSlots | None = None,
-        draft: DraftProposer | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         """The core serves structured output when `info.features.guided_decoding` says so (its
         grammar compiler is made on first use); it speculates as `config.speculative` says (a
-        draft model's method with `draft`, its proposer)."""
+        draft model's method with `draft`, the draft model)."""
         if (adapters is None) != (lora_slots is None):
             raise ValueError("LoRA needs both the adapter store and the model's slots")
         self.model = model
@@ -270,8 +271,9 @@ class TorchEngineCore:
             return self._take()
         self._mark_scheduled(scheduled)
         plan = self.planner.plan(scheduled)
+        draft_probs = self.speculator.draft_probs if self.speculator is not None else None
         with torch.inference_mode():
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, draft_probs)
         for request_id, failure in result.failed.items():  # before their blocks are published
             self._fail(request_id, failure.message, failure.cause, discard=failure.non_finite)
         self.scheduler.step_done(scheduled)

@@ -13,7 +13,7 @@ itself (the forward pass: device, collective, memory) propagates and fails the e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -169,7 +169,9 @@ class ModelRunner:
             assert self.lora is not None, "LoRA fills for a model without slots"
             self.lora.fill(slot, adapter)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, draft_probs: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        """Run the plan; `draft_probs`: the proposers' distributions of speculating sequences' drafts
+        ([K, V] by request id; absent: point masses), for their verification."""
         self.prepare_step(plan)
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
@@ -204,7 +206,8 @@ class ModelRunner:
         accepted: dict[str, list[int]] = {}
         for i in sampling:
             if plan.drafts_of(i):
-                by_sequence[i] = self._verify(plan, i, logits, spans, failed, accepted)
+                q = draft_probs.get(plan.request_ids[i]) if draft_probs else None
+                by_sequence[i] = self._verify(plan, i, logits, spans, failed, accepted, q)
         sampled = [by_sequence[i] for i in sampling]
         return StepResult(sampled, prompt_logprobs, failed, accepted)
 
@@ -250,6 +253,7 @@ class ModelRunner:
         spans: list[tuple[int, int]],
         failed: dict[str, RowFailure],
         accepted: dict[str, list[int]],
+        draft_probs: torch.Tensor | None,
     ) -> SampledToken:
         """Sequence i's drafts verified against its logits (one row per query token): the
         accepted drafts go to `accepted`, the token after them is returned."""
@@ -261,7 +265,7 @@ class ModelRunner:
         first, last = spans[i]
         row = state.row()
         rows = [replace(row, token_ids=state.token_ids + drafts[:j]) for j in range(num_drafts + 1)]
-        verdict = verify(logits[first:last], rows, drafts)
+        verdict = verify(logits[first:last], rows, drafts, draft_probs)
         token = verdict.token
         if token.error is not None:
             nan = token.error == NOT_A_NUMBER

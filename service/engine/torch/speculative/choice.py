@@ -7,22 +7,22 @@ import logging
 
 from service.engine.protocol import PathChoice
 from service.engine.speculative_config import SpeculativeConfig
-from service.engine.torch.speculative.speculator import MAX_BACKOFF_STEPS, Proposer, Speculator
+from service.engine.torch.speculative.draft import DraftModel
+from service.engine.torch.speculative.speculator import MAX_BACKOFF_STEPS, Speculator
 
 log = logging.getLogger(__name__)
 
 SETTING = "NIM_SPECULATIVE_CONFIG"
-DraftProposer = Proposer  # a draft model's proposals (service.engine.torch.speculative.draft)
 
 
 def speculation(
-    config: SpeculativeConfig | None, max_model_len: int, draft: DraftProposer | None
+    config: SpeculativeConfig | None, max_model_len: int, draft: DraftModel | None
 ) -> tuple[Speculator | None, PathChoice]:
     """The speculator (None: no speculation) and the choice as /v1/metadata shows it."""
     if config is None:
         return None, PathChoice("speculative_decoding", False, f"{SETTING} is unset", SETTING)
     if config.method == "draft_model" and draft is None:
-        raise ValueError("a draft model's speculation needs the draft's proposer")
+        raise ValueError("a draft model's speculation needs the draft model")
     reason = (
         f"{config.describe()} ({SETTING}); greedy output unchanged, sampled rows by rejection sampling; "
         f"a request backs off (up to {MAX_BACKOFF_STEPS} steps) after verifications that accept nothing"

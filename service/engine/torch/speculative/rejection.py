@@ -12,10 +12,11 @@ al. 2023, "Accelerating LLM Decoding with Speculative Sampling"):
 - at the first rejection, the token is drawn from norm(max(0, p_j - q_j)) and verification stops;
 - when every draft is accepted, a bonus token is drawn from p_{K+1}.
 
-Every proposer here is deterministic given the tokens (prompt lookup; a draft model's greedy
-tokens), so q_j is a point mass at d_j: accept with probability p_j(d_j), and on rejection draw from
-p_j without d_j, renormalised. A greedy row's p_j is a point mass at its argmax, so the rule reduces
-to "accept while the draft is the argmax, then take the argmax": greedy output is the same token for
+A draft model sampling a sampled row's drafts hands over its q_j ([K, V], normalised). Prompt
+lookup and a draft model's greedy tokens are deterministic given the tokens, so there q_j is a point
+mass at d_j (no q is passed): accept with probability p_j(d_j), and on rejection draw from p_j
+without d_j, renormalised. A greedy row's p_j is a point mass at its argmax, so the rule reduces to
+"accept while the draft is the argmax, then take the argmax": greedy output is the same token for
 token as without speculation.
 
 Randomness: as in the sampler, every number is a hash of the request's seed and the position of the
@@ -55,13 +56,19 @@ class Verdict:
     token: SampledToken
 
 
-def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[int]) -> Verdict:
+def verify(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor | None = None,
+) -> Verdict:
     """logits: [K + 1, V] float32 (modified in place); rows[j] samples position j (its token_ids end
-    with drafts[:j]); drafts: [K] -> the Verdict."""
+    with drafts[:j]); drafts: [K]; draft_probs: [K, V] the proposer's q (None: point masses at the
+    drafts) -> the Verdict."""
     assert logits.shape[0] == len(rows) == len(drafts) + 1
     if rows[0].params.greedy:
         return _verify_greedy(logits, rows, drafts)
-    return _verify_sampled(logits, rows, drafts)
+    return _verify_sampled(logits, rows, drafts, draft_probs)
 
 
 def _verify_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[int]) -> Verdict:
@@ -75,8 +82,13 @@ def _verify_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Se
     return Verdict(accepted, targets[len(drafts)])
 
 
-def _verify_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[int]) -> Verdict:
-    """Rejection sampling against point-mass proposals (see the module's docstring)."""
+def _verify_sampled(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor | None,
+) -> Verdict:
+    """Rejection sampling (see the module's docstring)."""
     try:
         apply_constraints(logits, rows, range(len(rows)))
         probs = filtered_probs(logits, [row.params for row in rows])  # [K + 1, V] unnormalised
@@ -85,6 +97,10 @@ def _verify_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: S
     totals = torch.cumsum(probs, dim=-1)[:, -1]  # a cumulative sum's last element (batch invariance)
     index = torch.tensor(list(drafts), dtype=torch.long, device=probs.device)
     draft_mass = probs[: len(drafts)].gather(1, index[:, None])[:, 0]
+    q, draft_q = None, []
+    if draft_probs is not None:
+        q = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)  # [K, V]
+        draft_q = q.gather(1, index[:, None])[:, 0].tolist()
     host_totals, host_mass = totals.tolist(), draft_mass.tolist()
     accepted: list[int] = []
     for j, draft in enumerate(drafts):
@@ -92,21 +108,30 @@ def _verify_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: S
         if not (total > 0 and total < float("inf")):
             return Verdict(accepted, SampledToken(0, error=NOT_A_NUMBER))
         row = rows[j]
-        if uniform(row.seed ^ ACCEPT_STREAM, row.num_generated) < host_mass[j] / total:
+        ratio = host_mass[j] / total  # p_j(d_j): a point mass's q is 1
+        if q is not None:
+            ratio = ratio / draft_q[j] if draft_q[j] > 0 else 1.0  # q never drew what it gives 0
+        if uniform(row.seed ^ ACCEPT_STREAM, row.num_generated) < ratio:
             accepted.append(draft)
             continue
-        residual = probs[j].clone()
-        residual[draft] = 0.0
+        if q is None:
+            residual = probs[j].clone()
+            residual[draft] = 0.0
+        else:
+            residual = torch.clamp(probs[j] / total - q[j], min=0.0)  # max(0, p - q)
+            if not float(residual.sum()) > 0:  # p == q up to rounding: a rejection is p's draw
+                residual = probs[j]
         return Verdict(
-            accepted, SampledToken(_invert(residual, uniform(row.seed ^ RESIDUAL_STREAM, row.num_generated)))
+            accepted,
+            SampledToken(invert_cdf(residual, uniform(row.seed ^ RESIDUAL_STREAM, row.num_generated))),
         )
     last = rows[-1]
     if not (host_totals[-1] > 0 and host_totals[-1] < float("inf")):
         return Verdict(accepted, SampledToken(0, error=NOT_A_NUMBER))
-    return Verdict(accepted, SampledToken(_invert(probs[-1], uniform(last.seed, last.num_generated))))
+    return Verdict(accepted, SampledToken(invert_cdf(probs[-1], uniform(last.seed, last.num_generated))))
 
 
-def _invert(probs: torch.Tensor, u: float) -> int:
+def invert_cdf(probs: torch.Tensor, u: float) -> int:
     """[V] unnormalised probabilities -> the token where their cumulative mass first exceeds u of
     the total (never a zero-probability token)."""
     cdf = torch.cumsum(probs, dim=-1)

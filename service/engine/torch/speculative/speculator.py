@@ -14,17 +14,17 @@ position in the proposal (bench/README.md and the metrics table name them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from service.engine.speculative_config import SpeculativeConfig
 from service.engine.torch.request import Request
+from service.engine.torch.speculative.draft import DraftModel
 from service.engine.torch.speculative.ngram import propose_ngram
 
 MAX_BACKOFF_STEPS = 64
-
-# (requests that may speculate now, each with its draft budget) -> their proposals (same order).
-Proposer = Callable[[list[tuple[Request, int]]], list[list[int]]]
 
 
 @dataclass
@@ -47,7 +47,10 @@ class SpecCounts:
 class Speculator:
     config: SpeculativeConfig
     max_model_len: int
-    proposer: Proposer | None = None  # None: prompt lookup (the "ngram" method)
+    draft: DraftModel | None = None  # None: prompt lookup (the "ngram" method)
+    # This step's proposals' distributions, by request (sampled rows of a draft model; absent:
+    # point masses at the drafts). Verification reads them (ModelRunner.execute).
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     _backoff: dict[str, _Backoff] = field(default_factory=dict)
     _drafts: int = 0
     _draft_tokens: int = 0
@@ -68,6 +71,7 @@ class Speculator:
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set the draft tokens of the decoding requests that speculate this step."""
+        self.draft_probs = {}
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
@@ -84,15 +88,17 @@ class Speculator:
             wanted.append((request, budget))
         if not wanted:
             return
-        if self.proposer is None:
+        if self.draft is None:
             config = self.config
             for request, budget in wanted:
                 request.draft_token_ids = propose_ngram(
                     request.token_ids, budget, config.prompt_lookup_min, config.prompt_lookup_max
                 )
             return
-        for (request, _), drafts in zip(wanted, self.proposer(wanted), strict=True):
-            request.draft_token_ids = drafts
+        for (request, _), proposal in zip(wanted, self.draft.propose(wanted), strict=True):
+            request.draft_token_ids = proposal.token_ids
+            if proposal.probs is not None:
+                self.draft_probs[request.request_id] = proposal.probs
 
     def _budget(self, request: Request) -> int:
         """How many drafts `request` may verify now: 0 unless it is decoding, unconstrained and
@@ -119,3 +125,6 @@ class Speculator:
 
     def ended(self, request_id: str) -> None:
         self._backoff.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.ended(request_id)
