@@ -16,9 +16,11 @@ import torch
 from service.config import load_settings
 from service.engine.config import UnsupportedConfigError
 from service.engine.protocol import GenerationRequest, SamplingParams
+from service.engine.speculative_config import SpeculativeConfig
 from service.engine.torch.core import TorchEngineCore
 from service.engine.torch.loading import build_core
 from service.engine.torch.sampler import SamplingRow
+from service.engine.torch.speculative.draft import check_draft
 from service.engine.torch.speculative.rejection import invert_cdf, verify
 from service.serving import config_for
 from tests.test_speculative import CHI2_CRITICAL_5, _chi_square
@@ -94,6 +96,14 @@ def test_a_draft_with_another_vocabulary_stops_the_start_in_one_line(tmp_path: P
         build_core(config_for(load_settings(num_threads=1, max_model_len=256, speculative_config=spec)))
     message = str(refused.value)
     assert "\n" not in message and "256 tokens" in message and "share the target's tokenizer" in message
+
+
+def test_a_draft_under_tensor_parallelism_is_refused_before_anything_loads() -> None:
+    draft = SpeculativeConfig("draft_model", 2, model="/models/draft")
+    check_draft(draft, 1)
+    check_draft(SpeculativeConfig("ngram", 2), 4)
+    with pytest.raises(UnsupportedConfigError, match="tensor parallelism 2"):
+        check_draft(draft, 2)
 
 
 def test_rejection_sampling_against_a_drafts_distribution_keeps_the_targets() -> None:
