@@ -19,9 +19,12 @@ Servers, both on 127.0.0.1 with the same per-request context and the same number
          the same C*P tokens of KV cache. The JSON records the n_ctx_slot llama-server reports.
 
 The load is streaming chat completions: a user message of --input-words random common English
-words (different every round, the same for both servers within a round, so neither reuses the
-other's prompt cache), max_tokens --output-len, temperature 0, ignore_eos (llama-server takes
-llama.cpp's own sampling fields in the OpenAI body, ignore_eos among them), and
+words, different every round, the same for both servers within a round, so neither reuses the
+other's prompt cache (--workload random; --workload repeat instead asks for a passage of about as
+many words of plain sentences, in an order of the round's, to be rewritten word for word, so the
+answer repeats its input, as rewriting, extracting and editing do; --speculative-config serves
+ours with NIM_SPECULATIVE_CONFIG), max_tokens --output-len, temperature 0, ignore_eos
+(llama-server takes llama.cpp's own sampling fields in the OpenAI body, ignore_eos among them), and
 stream_options.include_usage. Output tokens are counted from the usage chunk (both servers send
 one), else from content deltas. TTFT is the time to the first non-empty content delta; ITL the
 gaps between later content deltas. output tok/s is all output tokens over the wall time of the run.
@@ -91,9 +94,44 @@ class ChatResult(Result):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_prompts(seed: int, count: int, words: int) -> list[str]:
+REPEAT_ASK = "Rewrite the following text exactly, word for word:\n\n"
+# Plain sentences for --workload repeat: a passage of them in a seeded order is text a small model
+# copies (random words it does not), and differs every round.
+SENTENCES = (
+    "The river runs past the old mill and under the stone bridge before it reaches the sea.",
+    "Every morning the baker opens her shop at six and sells bread until the shelves are empty.",
+    "The children walked to school along the forest road, talking about the summer holidays.",
+    "A small green boat was tied to the post at the end of the wooden pier.",
+    "In the evening the family sat around the table and shared stories about their day.",
+    "The market in the centre of the city is busy on Saturdays, when farmers bring their fruit.",
+    "She wrote a long letter to her friend who had moved to a house near the island.",
+    "The winter was cold and quiet, and snow covered the fields north of the village.",
+    "He keeps a notebook of every bird he sees on his walks through the hills.",
+    "The museum opened a new room for old maps, paintings of ships and letters from travellers.",
+    "After the rain stopped, the streets were bright and the air smelled of wet leaves.",
+    "The train to the south leaves at noon and arrives in the harbour town before dark.",
+    "Our neighbours planted yellow flowers along the fence and a small tree by the gate.",
+    "The teacher asked the class to read the first chapter and write down three questions.",
+    "On the top shelf of the kitchen there is a blue jar full of buttons and string.",
+    "The lighthouse keeper climbs the stairs each night to check the lamp and the clock.",
+)
+
+
+def make_prompts(seed: int, count: int, words: int, workload: str = "random") -> list[str]:
+    """`count` user messages: `words` random common words; with workload "repeat" a passage of about
+    `words` words of plain sentences in a seeded order that the message asks to have rewritten word
+    for word, so the answer repeats the prompt (prompt lookup has runs to accept)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+    if workload != "repeat":
+        return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+    prompts = []
+    for _ in range(count):
+        order = rng.sample(SENTENCES, len(SENTENCES))
+        passage: list[str] = []
+        while sum(len(s.split()) for s in passage) < words:
+            passage.append(order[len(passage) % len(order)])
+        prompts.append(REPEAT_ASK + " ".join(passage))
+    return prompts
 
 
 async def chat_request(
@@ -392,6 +430,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, help="requests per run (default: max(8, 2 x concurrency))")
+    parser.add_argument(
+        "--workload",
+        choices=["random", "repeat"],
+        default="random",
+        help="random: messages of random words; repeat: each asks for its words rewritten word for word",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        help='NIM_SPECULATIVE_CONFIG for ours, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     parser.add_argument("--input-words", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
@@ -438,6 +486,8 @@ def main() -> None:
                     "NIM_KV_CACHE_MAX_TOKENS", str(args.ctx * args.parallel)
                 ),
             }
+            if args.speculative_config:
+                env["NIM_SPECULATIVE_CONFIG"] = args.speculative_config
             if args.gguf or args.ours_model:
                 env["NIM_MODEL_NAME"] = args.ours_model or args.gguf
             cmd = [python, "entrypoint.py", "serve", "--host", "127.0.0.1", "--port", str(args.ours_port)]
@@ -503,7 +553,7 @@ def main() -> None:
         )
 
         for name, url in urls.items():
-            warm = make_prompts(args.seed - 1, args.warmup, args.input_words)
+            warm = make_prompts(args.seed - 1, args.warmup, args.input_words, args.workload)
             asyncio.run(run_load(url, models[name], warm, 1, 8))
 
         rounds: list[dict] = []
@@ -532,7 +582,8 @@ def main() -> None:
         for c in args.concurrency:
             count = args.requests or max(8, 2 * c)
             for r in range(args.rounds):
-                prompts = make_prompts(args.seed * 1_000_003 + c * 1000 + r, count, args.input_words)
+                seed = args.seed * 1_000_003 + c * 1000 + r
+                prompts = make_prompts(seed, count, args.input_words, args.workload)
                 for name in urls:
                     figures = asyncio.run(
                         run_load(urls[name], models[name], prompts, c, args.output_len, sampling_of(args))

@@ -6,7 +6,7 @@ layered on top (service.config_loading.load_settings), and passed down explicitl
 the code base reads the environment. What the fields mean downstream (LoRA, guided and scheduler
 limits, ...) is service.config_views, Settings' base; parsers of compound values are
 service.config_values; the fields of a self-contained feature are a base class of their own
-(service.config_responses).
+(service.config_responses, service.config_speculative).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, field_validato
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.config_responses import ResponsesStoreFields
+from service.config_speculative import SpeculativeFields
 from service.config_values import LogLevel, chat_template_source, lora_modules
 from service.config_views import SettingsViews
 from service.engine.config import (
@@ -44,7 +45,7 @@ def _env(name: str) -> AliasChoices:
     return AliasChoices(name)
 
 
-class Settings(SettingsViews, ResponsesStoreFields, BaseSettings):
+class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSettings):
     """Service settings. Field docs are the configuration table in README.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)

@@ -73,7 +73,7 @@ def _refused(instead: str, *accepted: str | frozenset[str]) -> Refusal:
 
 
 _ONE_NODE = "multi-node serving is not supported: one pod runs the model (tensor parallelism inside it)"
-_SPECULATIVE = "speculative decoding is not implemented"
+_SPECULATIVE = "set NIM_SPECULATIVE_CONFIG to vLLM's --speculative-config JSON instead"
 _REWARD = "reward models are not served: this server generates text"
 
 NIM_VARIABLES: tuple[NimVariable, ...] = (
@@ -91,7 +91,7 @@ NIM_VARIABLES: tuple[NimVariable, ...] = (
     ),
     NimVariable("NIM_NUM_COMPUTE_NODES", "2.x", _refused(_ONE_NODE, "1")),
     NimVariable("NIM_PASSTHROUGH_ARGS", "2.x"),
-    NimVariable("NIM_DRAFT_MODEL_PATH", "2.x", _refused(_SPECULATIVE)),
+    NimVariable("NIM_DRAFT_MODEL_PATH", "2.x"),
     NimVariable("NIM_SPECDEC_ARGS", "2.x", _refused(_SPECULATIVE)),
     NimVariable(
         "NIM_FT_MODEL",

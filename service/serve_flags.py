@@ -118,6 +118,17 @@ def _kv_cache_dtype(value: str) -> str:
     )
 
 
+def _json_object(value: str) -> str:
+    """A JSON object flag (vLLM's --speculative-config): kept as its text, checked to be an object."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise FlagError(f"{value!r} is not JSON ({exc.msg})") from None
+    if not isinstance(parsed, dict):
+        raise FlagError(f"{value!r} is not a JSON object")
+    return value
+
+
 def _json_list(value: str) -> str:
     """vLLM's --allowed-origins '["a", "b"]' as this server's comma-separated list."""
     try:
@@ -196,6 +207,12 @@ FLAGS: tuple[Flag, ...] = (
         ("--enable-prefix-caching",), "enable_kv_cache_reuse", "prefix caching (on by default)", kind="bool"
     ),
     Flag(("--enforce-eager",), "enforce_eager", "no CUDA graphs, no scripted decode step", kind="bool"),
+    Flag(
+        ("--speculative-config",),
+        "speculative_config",
+        "speculative decoding: vLLM's JSON (ngram, or a draft model)",
+        convert=_json_object,
+    ),
     Flag(("--seed",), "seed", "seed of the draws of requests that send none", convert=_int),
     Flag(("--chat-template",), "chat_template", "a chat template file, or the template itself"),
     Flag(

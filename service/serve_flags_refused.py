@@ -135,7 +135,6 @@ REFUSED: dict[str, str] = {
     "--cudagraph-capture-sizes": _GRAPHS,
     "--cuda-graph-sizes": _GRAPHS,
     "--max-cudagraph-capture-size": _GRAPHS,
-    "--speculative-config": "speculative decoding is not implemented",
     "--kv-transfer-config": _DISAGG,
     "--kv-events-config": _DISAGG,
     "--compilation-config": COMPILE_REFUSAL,

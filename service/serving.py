@@ -95,6 +95,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         guided_decoding_backend=settings.guided_decoding_backend,
         guided=settings.guided_limits,
         engine_cache_dir=settings.cache_path / "trtllm-engines" / profile.id,
+        speculative=settings.speculative,
     )
 
 

@@ -336,7 +336,7 @@ def test_engine_failure_fails_requests_readiness_and_reports() -> None:
     reported: list[BaseException] = []
     dying.on_fatal = reported.append
 
-    def broken(plan):
+    def broken(plan, draft_probs=None):
         raise RuntimeError("simulated device fault")
 
     dying.core.runner.execute = broken  # type: ignore[method-assign]

@@ -39,10 +39,10 @@ from service.engine.torch import model_runner
 _execute = model_runner.ModelRunner.execute
 
 
-def execute(self, plan):
+def execute(self, plan, *args):
     if any(list(new.prompt_token_ids) == {DOOMED_PROMPT} for new in plan.new_requests):
         raise RuntimeError("injected device fault")
-    return _execute(self, plan)
+    return _execute(self, plan, *args)
 
 
 model_runner.ModelRunner.execute = execute

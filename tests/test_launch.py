@@ -63,12 +63,13 @@ def test_refused_variables_and_a_typo_stop_the_start_in_one_line() -> None:
         "configuration error: NIM_MAX_MODEL_LENGTH is not a setting of this server: "
         "did you mean NIM_MAX_MODEL_LEN? (unset it)"
     )
-    flag = _refused_start({}, "serve", "--speculative-config", '{"method": "ngram"}')
-    assert flag.returncode == 2
-    assert flag.stderr.strip() == (
-        "configuration error: vLLM's --speculative-config is not supported by this server: "
-        "speculative decoding is not implemented"
+    flag = _refused_start(
+        {}, "serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'
     )
+    assert flag.returncode == 2
+    assert flag.stderr.strip().startswith(
+        "configuration error: NIM_SPECULATIVE_CONFIG: method 'eagle' is not implemented here"
+    ), flag.stderr
 
 
 @pytest.fixture(scope="module")

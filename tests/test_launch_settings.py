@@ -84,8 +84,8 @@ def test_an_unknown_nim_variable_names_the_closest_known_one() -> None:
     assert "did you mean NIM_SERVER_PORT?" in _refusal(NIM_SEVER_PORT="9000")
     assert "see the configuration table in README.md" in _refusal(NIM_WHATEVER_THIS_IS="1")
     # several problems: one line, each named
-    both = _refusal(NIM_MAX_MODEL_LENGTH="1", NIM_DRAFT_MODEL_PATH="x")
-    assert "NIM_MAX_MODEL_LENGTH" in both and "NIM_DRAFT_MODEL_PATH" in both
+    both = _refusal(NIM_MAX_MODEL_LENGTH="1", NIM_SPECDEC_ARGS="x")
+    assert "NIM_MAX_MODEL_LENGTH" in both and "NIM_SPECDEC_ARGS" in both
 
 
 def test_kubernetes_service_links_are_ignored_but_a_lone_port_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,10 +222,7 @@ def test_vllm_flags_set_this_servers_settings() -> None:
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        (
-            "--speculative-config {}",
-            "vLLM's --speculative-config is not supported by this server: speculative",
-        ),
+        ("--speculative-config [4]", "--speculative-config [4]: '[4]' is not a JSON object"),
         ("--trust-remote-code", "vLLM's --trust-remote-code is not supported by this server: model code"),
         ("-O3", "vLLM's -O3 is not supported by this server: no torch.compile"),
         ("--data-parallel-size 2", "vLLM's --data-parallel-size is not supported by this server"),

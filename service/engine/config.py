@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal, cast
 
 from service.engine.precision import SPECS
+from service.engine.speculative_config import SpeculativeConfig
 from service.model.config import ModelFormat
 from service.store.checkpoint import Checkpoint
 from service.text.tokenizer import Tokenizer
@@ -217,6 +218,7 @@ class EngineConfig:
     guided_decoding_backend: str | None = None  # NIM_GUIDED_DECODING_BACKEND; None: the engine's own
     guided: GuidedLimits = GuidedLimits()  # structured output: compile limits
     engine_cache_dir: Path | None = None  # tensorrt_llm: this profile's slot for built engines
+    speculative: SpeculativeConfig | None = None  # NIM_SPECULATIVE_CONFIG / NIM_DRAFT_MODEL_PATH
 
     def load_tokenizer(self) -> Tokenizer:
         """The tokenizer in the model's files (every engine reads it here, and so does the API

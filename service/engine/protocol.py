@@ -228,6 +228,11 @@ class EngineStats:
     step_seconds: Histogram = field(default_factory=lambda: Histogram.empty(STEP_SECONDS_BOUNDS))
     lora_running: tuple[str, ...] = ()  # adapters of running requests (each once)
     lora_waiting: tuple[str, ...] = ()  # adapters of waiting requests (each once)
+    # Speculative decoding (vLLM's spec_decode counters); per position: accepted at proposal index j.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # empty: no speculation configured
 
     @property
     def kv_cache_usage(self) -> float:

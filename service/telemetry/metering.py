@@ -109,6 +109,30 @@ class EngineStatsCollector(Collector):
                 time.time(),
             )
             yield lora
+        if stats.spec_accepted_per_position:  # speculative decoding runs: vLLM's spec_decode counters
+            yield from (
+                _counter("vllm:spec_decode_num_drafts", "Draft verifications.", name, stats.spec_drafts),
+                _counter(
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Draft tokens verified.",
+                    name,
+                    stats.spec_draft_tokens,
+                ),
+                _counter(
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted.",
+                    name,
+                    stats.spec_accepted_tokens,
+                ),
+            )
+            per_position = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in their proposal.",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric([name, str(position)], count)
+            yield per_position
         if self.info is not None:
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",

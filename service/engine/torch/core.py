@@ -49,6 +49,7 @@ from service.engine.protocol import (
     EngineInfo,
     EngineStats,
     ErrorCause,
+    FinishReason,
     GenerationRequest,
     KVEvent,
     RequestOutput,
@@ -56,6 +57,7 @@ from service.engine.protocol import (
     SamplingParams,
     TokenLogprob,
 )
+from service.engine.speculative_config import SpeculativeConfig
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.decode_path import DecodeOptions, choose_decode_path
 from service.engine.torch.engine_stats import StatsPublisher
@@ -68,6 +70,8 @@ from service.engine.torch.outputs import LiveRequest, refuse
 from service.engine.torch.planner import StepPlanner
 from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from service.engine.torch.speculative.choice import speculation
+from service.engine.torch.speculative.draft import DraftModel
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.model.config import ModelConfig
@@ -95,6 +99,7 @@ class TorchEngineConfig:
     unified_attention: bool = True  # NIM_UNIFIED_ATTENTION: the unified kernel may run (CUDA, checked)
     guided: GuidedLimits = field(default_factory=GuidedLimits)  # structured output: compile limits
     record_kv_events: bool = False  # the prefix cache logs its events for kv_events()
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
 
 class TorchEngineCore:
@@ -108,9 +113,11 @@ class TorchEngineCore:
         tp_group: TPGroup | None = None,
         adapters: LoraStore | None = None,
         lora_slots: LoraSlots | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         """The core serves structured output when `info.features.guided_decoding` says so (its
-        grammar compiler is made on first use)."""
+        grammar compiler is made on first use); it speculates as `config.speculative` says (a
+        draft model's method with `draft`, the draft model)."""
         if (adapters is None) != (lora_slots is None):
             raise ValueError("LoRA needs both the adapter store and the model's slots")
         self.model = model
@@ -130,7 +137,10 @@ class TorchEngineCore:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv, self.lora
         )
         self.planner = StepPlanner(self.kv, self.lora)
-        self.stats_publisher = StatsPublisher(self.pool, self.kv, self.scheduler, lora=adapters is not None)
+        self.speculator, self._speculation = speculation(config.speculative, config.max_model_len, draft)
+        self.stats_publisher = StatsPublisher(
+            self.pool, self.kv, self.scheduler, lora=adapters is not None, speculator=self.speculator
+        )
         options = DecodeOptions(
             kernel=config.decode_kernel,
             enforce_eager=config.enforce_eager,
@@ -159,7 +169,8 @@ class TorchEngineCore:
     @property
     def info(self) -> EngineInfo:
         """What this engine is, with the decode path's decisions (the graphs' once captured)."""
-        return replace(self._info, paths=self._info.paths + self.runner.path.choices())
+        paths = (*self._info.paths, *self.runner.path.choices(), self._speculation)
+        return replace(self._info, paths=paths)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -242,6 +253,8 @@ class TorchEngineCore:
         live = self._live.pop(request_id, None)
         if live is not None:
             self.planner.ended(request_id)
+            if self.speculator is not None:
+                self.speculator.ended(request_id)
             if request is not None:
                 live.end()
         return self._take()
@@ -249,6 +262,8 @@ class TorchEngineCore:
     def step(self) -> list[RequestOutput]:
         """One step; its outputs (tokens, endings, failures), after the stats counting them."""
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         for request, why in scheduled.failed:  # their LoRA adapter cannot run
             self._fail(request.request_id, why, "request")
@@ -256,8 +271,9 @@ class TorchEngineCore:
             return self._take()
         self._mark_scheduled(scheduled)
         plan = self.planner.plan(scheduled)
+        draft_probs = self.speculator.draft_probs if self.speculator is not None else None
         with torch.inference_mode():
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, draft_probs)
         for request_id, failure in result.failed.items():  # before their blocks are published
             self._fail(request_id, failure.message, failure.cause, discard=failure.non_finite)
         self.scheduler.step_done(scheduled)
@@ -329,22 +345,41 @@ class TorchEngineCore:
             live = self._live.get(request_id)
             if live is not None and live.prompt_logprobs is not None:
                 live.prompt_logprobs.extend(entries)
-        sampling_ids = [rid for rid, samples in zip(plan.request_ids, plan.sample, strict=True) if samples]
+        sampling = [i for i, samples in enumerate(plan.sample) if samples]
         now = time.monotonic()
-        for request_id, token in zip(sampling_ids, result.sampled, strict=True):
+        for i, token in zip(sampling, result.sampled, strict=True):
+            request_id = plan.request_ids[i]
             live = self._live.get(request_id)
             if live is None:
                 continue  # aborted while the step ran, or its row failed
-            live.request.token_ids.append(token.token_id)
+            accepted = result.accepted.get(request_id)
+            tokens = [*accepted, token.token_id] if accepted is not None else [token.token_id]
             try:
-                text, reason = live.output.process(token.token_id)
+                text, reason, emitted = self._emit(live, tokens)
             except Exception as exc:  # its detokenizer or stop strings: this request alone fails
                 log.exception("request %s: output processing failed", request_id)
                 self._fail(request_id, f"output processing failed: {one_line(exc)}", "engine")
                 continue
+            if accepted is not None and self.speculator is not None:
+                self.speculator.verified(request_id, plan.drafts_of(i), len(accepted))
+                if reason is None:
+                    self.scheduler.accept_drafts(live.request, len(accepted))
             if reason is not None:
                 self._end(live)
-            live.send(text, [token.token_id], reason, [token.logprob] if token.logprob else None, now)
+            live.send(text, emitted, reason, [token.logprob] if token.logprob else None, now)
+
+    def _emit(self, live: LiveRequest, tokens: list[int]) -> tuple[str, FinishReason | None, list[int]]:
+        """Append `tokens` (a speculating request's accepted drafts, then its sampled token) to the
+        request through its output processing, up to the first that ends it: their text, the
+        ending (if any) and the tokens taken."""
+        texts: list[str] = []
+        for n, token_id in enumerate(tokens, 1):
+            live.request.token_ids.append(token_id)
+            text, reason = live.output.process(token_id)
+            texts.append(text)
+            if reason is not None:
+                return "".join(texts), reason, tokens[:n]
+        return "".join(texts), None, tokens
 
     def _end(self, live: LiveRequest, discard: bool = False) -> None:
         """`live` is done: its blocks and LoRA slot are freed now (with `discard`, its blocks are
@@ -353,6 +388,8 @@ class TorchEngineCore:
         self.scheduler.abort(request_id, discard)
         del self._live[request_id]
         self.planner.ended(request_id)
+        if self.speculator is not None:
+            self.speculator.ended(request_id)
 
     def _fail(self, request_id: str, message: str, cause: ErrorCause, discard: bool = False) -> None:
         """End one request with an error; the step, the batch and the core go on."""
@@ -377,4 +414,6 @@ class TorchEngineCore:
         self.pool.reset_cache()
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.reset_counts()
         self.stats_publisher.reset()

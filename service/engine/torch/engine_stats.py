@@ -12,11 +12,20 @@ from service.engine.protocol import EngineStats
 from service.engine.torch.block_pool import BlockPool
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.scheduler import Scheduler
+from service.engine.torch.speculative.speculator import Speculator
 from service.engine.torch.step_plan import StepPlan
 
 
 class StatsPublisher:
-    def __init__(self, pool: BlockPool, kv: KVCacheManager, scheduler: Scheduler, lora: bool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        lora: bool,
+        speculator: Speculator | None = None,
+    ) -> None:
+        self.speculator = speculator  # speculative decoding's counts, when it runs
         self.pool = pool
         self.kv = kv
         self.scheduler = scheduler
@@ -45,6 +54,15 @@ class StatsPublisher:
         if self.lora:
             lora_running = tuple(sorted({r.adapter for r in scheduler.running if r.adapter is not None}))
             lora_waiting = tuple(sorted({r.adapter for r in scheduler.waiting if r.adapter is not None}))
+        if self.speculator is not None:
+            counts = self.speculator.counts
+            stats = replace(
+                stats,
+                spec_drafts=counts.num_drafts,
+                spec_draft_tokens=counts.num_draft_tokens,
+                spec_accepted_tokens=counts.num_accepted_tokens,
+                spec_accepted_per_position=counts.accepted_per_position,
+            )
         self.snapshot = replace(
             stats,
             num_running=len(scheduler.running),

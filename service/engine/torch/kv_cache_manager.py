@@ -112,6 +112,18 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i], parent, tokens, request.adapter)
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past the request's computed tokens (speculative tokens rejected after
+        their blocks were taken). Such blocks were never published: only full blocks of computed
+        tokens are (`register_full_blocks`)."""
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.release(table[keep:][::-1])
+            del table[keep:]
+
     def free(self, request: Request, discard: bool = False) -> None:
         """Return the request's blocks; tail first, so its shared prefix is evicted last.
 

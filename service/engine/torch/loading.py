@@ -27,6 +27,7 @@ from service.engine.torch.rank_loading import (
     resolve_step_limits,
 )
 from service.engine.torch.rank_loading import context_length as context_length  # tests import it here
+from service.engine.torch.speculative.draft import check_draft, load_draft
 from service.engine.torch.tp_group import RankSetup, TPGroup
 from service.host import available_cpu_count
 from service.logs import JSONLinesFormatter
@@ -117,6 +118,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
 
 def build_core(config: EngineConfig) -> TorchEngineCore:
     device, dtype = resolve_device(config)
+    check_draft(config.speculative, config.tensor_parallel_size)
     config = resolve_step_limits(config, device)  # unset NIM_MAX_NUM_SEQS etc.: this device's defaults
     check_lora(config)
     check_guided(config)
@@ -144,6 +146,10 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
             group.join()
         loaded = load_rank(config, device, dtype, 0, size)
         tokenizer = config.load_tokenizer()
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            # before the KV cache is sized: the draft's weights take their memory first
+            draft = load_draft(config, device, dtype, loaded.model_config, tokenizer, loaded.max_model_len)
         adapters = None
         if loaded.lora is not None and config.lora is not None:
             adapters = LoraStore.open(config.lora, loaded.model_config, config.served_name)
@@ -169,6 +175,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         unified_attention=config.unified_attention,
         guided=config.guided,
         record_kv_events=config.kv_cache.record_events,
+        speculative=config.speculative,
     )
     quantized = config.precision not in FLOAT_PRECISIONS
     info = EngineInfo(
@@ -202,6 +209,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         tp_group=group,
         adapters=adapters,
         lora_slots=loaded.lora,
+        draft=draft,
     )
 
 

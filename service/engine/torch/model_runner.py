@@ -13,7 +13,7 @@ itself (the forward pass: device, collective, memory) propagates and fails the e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -44,6 +44,7 @@ from service.engine.torch.sampler import (
     token_logprobs,
 )
 from service.engine.torch.scripted_decode import ScriptedDecoder
+from service.engine.torch.speculative.rejection import verify
 from service.engine.torch.step_plan import NewRequest, StepPlan
 from service.util import cdiv, one_line
 
@@ -94,6 +95,8 @@ class StepResult:
     sampled: list[SampledToken]
     prompt_logprobs: dict[str, list[TokenLogprob]]
     failed: dict[str, RowFailure] = field(default_factory=dict)
+    # Speculating sequences: the draft tokens accepted, which come before their `sampled` token.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -166,7 +169,9 @@ class ModelRunner:
             assert self.lora is not None, "LoRA fills for a model without slots"
             self.lora.fill(slot, adapter)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, draft_probs: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+        """Run the plan; `draft_probs`: the proposers' distributions of speculating sequences' drafts
+        ([K, V] by request id; absent: point masses), for their verification."""
         self.prepare_step(plan)
         for request_id in plan.finished_request_ids:
             self._rows.pop(request_id, None)
@@ -196,8 +201,29 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(plan.sample) if s]
         if not sampling:
             return StepResult([], prompt_logprobs, failed)
-        rows = [spans[i][1] - 1 for i in sampling]
-        request_ids = [plan.request_ids[i] for i in sampling]
+        plain = [i for i in sampling if not plan.drafts_of(i)]
+        by_sequence = dict(zip(plain, self._sample(plan, plain, logits, spans, failed), strict=True))
+        accepted: dict[str, list[int]] = {}
+        for i in sampling:
+            if plan.drafts_of(i):
+                q = draft_probs.get(plan.request_ids[i]) if draft_probs else None
+                by_sequence[i] = self._verify(plan, i, logits, spans, failed, accepted, q)
+        sampled = [by_sequence[i] for i in sampling]
+        return StepResult(sampled, prompt_logprobs, failed, accepted)
+
+    def _sample(
+        self,
+        plan: StepPlan,
+        which: list[int],
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        failed: dict[str, RowFailure],
+    ) -> list[SampledToken]:
+        """One token for each sequence `which` names, from its last row of logits."""
+        if not which:
+            return []
+        rows = [spans[i][1] - 1 for i in which]
+        request_ids = [plan.request_ids[i] for i in which]
         states = [self._rows[request_id] for request_id in request_ids]
         if rows == list(range(logits.shape[0])):  # every row samples (decode): no copy
             picked = logits
@@ -217,7 +243,38 @@ class ModelRunner:
                 failed[request_id] = RowFailure(
                     f"the grammar refused token {token.token_id}, which its own mask allowed", "engine"
                 )
-        return StepResult(sampled, prompt_logprobs, failed)
+        return sampled
+
+    def _verify(
+        self,
+        plan: StepPlan,
+        i: int,
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        failed: dict[str, RowFailure],
+        accepted: dict[str, list[int]],
+        draft_probs: torch.Tensor | None,
+    ) -> SampledToken:
+        """Sequence i's drafts verified against its logits (one row per query token): the
+        accepted drafts go to `accepted`, the token after them is returned."""
+        request_id = plan.request_ids[i]
+        state = self._rows[request_id]
+        num_drafts = plan.drafts_of(i)
+        end = sum(plan.query_lens[: i + 1])
+        drafts = list(plan.input_ids[end - num_drafts : end])
+        first, last = spans[i]
+        row = state.row()
+        rows = [replace(row, token_ids=state.token_ids + drafts[:j]) for j in range(num_drafts + 1)]
+        verdict = verify(logits[first:last], rows, drafts, draft_probs)
+        token = verdict.token
+        if token.error is not None:
+            nan = token.error == NOT_A_NUMBER
+            failed[request_id] = RowFailure(token.error, "engine" if nan else "request", nan)
+            return token
+        accepted[request_id] = verdict.accepted
+        state.token_ids.extend(verdict.accepted)
+        state.token_ids.append(token.token_id)
+        return token
 
     def _constrain(
         self,
@@ -263,8 +320,8 @@ class ModelRunner:
         """One eager forward pass; the logits of the rows that need them, and each sequence's span.
         (Tensor-parallel worker ranks run just this, in step with rank 0.)
 
-        The rows: every token of a prompt-logprobs chunk, else the last token of each sequence
-        that samples.
+        The rows: every token of a prompt-logprobs chunk or of a speculating sequence, else the last
+        token of each sequence that samples.
         """
         if self.lora is not None:
             self.lora.set_step(plan.adapter_slots, plan.query_lens, self.device)
@@ -272,9 +329,11 @@ class ModelRunner:
         wanted: list[int] = []
         spans: list[tuple[int, int]] = []
         offset = 0
-        for n, samples, prompt in zip(plan.query_lens, plan.sample, plan.prompt_logits, strict=True):
+        for i, (n, samples, prompt) in enumerate(
+            zip(plan.query_lens, plan.sample, plan.prompt_logits, strict=True)
+        ):
             first = len(wanted)
-            if prompt:
+            if prompt or plan.drafts_of(i):  # a speculating sequence: every row verifies a token
                 wanted.extend(range(offset, offset + n))
             elif samples:
                 wanted.append(offset + n - 1)

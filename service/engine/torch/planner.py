@@ -41,10 +41,11 @@ class StepPlanner:
                         end_token_ids=request.end_token_ids,
                     )
                 )
+            drafts = request.draft_token_ids[: chunk.num_drafts]
             sequences.append(
                 ScheduledSequence(
                     request_id=request.request_id,
-                    token_ids=request.token_ids,
+                    token_ids=request.token_ids + drafts if drafts else request.token_ids,
                     start=chunk.start,
                     num_tokens=chunk.num_tokens,
                     block_table=self.kv.block_table(request),
@@ -52,6 +53,7 @@ class StepPlanner:
                     prompt_logits=request.sampling.prompt_logprobs is not None
                     and chunk.start < request.num_prompt_tokens,
                     adapter_slot=request.lora_slot,
+                    num_drafts=chunk.num_drafts,
                 )
             )
         ended, self._ended = tuple(self._ended), []

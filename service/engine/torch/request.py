@@ -42,6 +42,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted_before: bool = False
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+    # Speculative decoding: tokens proposed to follow token_ids, verified by the next step (never
+    # part of token_ids until accepted; dropped when not scheduled).
+    draft_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_generation(cls, request: GenerationRequest, end_token_ids: tuple[int, ...] = ()) -> Request:

@@ -23,15 +23,18 @@ class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at `start` (its computed count when scheduled).
 
     `completes`: the chunk reaches the request's last token, so a new token is sampled after it.
+    `num_drafts`: the last of the tokens are that many speculative ones (the request's
+    `draft_token_ids`, past its last token), which the step verifies.
     """
 
     request: Request
     start: int
     num_tokens: int
+    num_drafts: int = 0
 
     @property
     def completes(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Scheduler:
     Each step:
       1. Running requests, oldest first, get the tokens they still need: 1 when decoding, the
          next chunk (up to the remaining budget) when their prompt is still being prefilled.
+         A decoding request with speculative tokens (`draft_token_ids`) computes them too, as many
+         as the budget and the free blocks allow (no preemption is made for them); after the step
+         only the accepted ones count as computed (`accept_drafts`), and the blocks that held only
+         rejected ones go back to the pool.
          When the block pool cannot hold a request's new tokens, the newest running request is
          preempted (blocks freed, back to the front of the waiting queue, recomputed later)
          until it can. A request that fits the context alone is therefore never failed for
@@ -128,6 +135,13 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_uncomputed, budget)
+            drafts = self._fit_drafts(request, num_new, budget)
+            if drafts:
+                out.chunks.append(
+                    ScheduledChunk(request, request.num_computed_tokens, num_new + drafts, drafts)
+                )
+                budget -= num_new + drafts
+                continue
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -182,6 +196,30 @@ class Scheduler:
         self.stalled = not out.chunks and not self.running and bool(self.waiting)
         return out
 
+    def _fit_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of a decoding request's draft tokens this step verifies (their blocks and its
+        own token's taken): as many as the budget and free blocks allow; 0 (drafts dropped) when
+        none fit, or when it is not decoding."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return 0
+        count = min(len(drafts), budget - num_new) if num_new == 1 else 0
+        while count > 0 and not self.kv.allocate(request, num_new + count):
+            count -= 1
+        del drafts[count:]
+        return count
+
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """After a verifying step: `num_accepted` draft tokens (now in `token_ids`) have their keys
+        and values computed; blocks that became full are published and the blocks past the
+        computed tokens (the rejected ones' only) are freed."""
+        request.draft_token_ids = []
+        if request.status is not RequestStatus.RUNNING:
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.register_full_blocks(request)
+        self.kv.trim(request)
+
     def _lora_admit(self, request: Request) -> bool:
         """Whether `request` (of an adapter, holding no slot) holds a slot now; False: it waits."""
         assert self.lora is not None
@@ -201,6 +239,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft_token_ids = []
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -210,6 +249,6 @@ class Scheduler:
     def step_done(self, out: SchedulerOutput) -> None:
         """Advance computed counts for what ran, and publish blocks that became full."""
         for chunk in out.chunks:
-            if chunk.request.status is RequestStatus.RUNNING:
-                chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.request.status is RequestStatus.RUNNING:  # drafts: counted once accepted
+                chunk.request.num_computed_tokens += chunk.num_tokens - chunk.num_drafts
                 self.kv.register_full_blocks(chunk.request)

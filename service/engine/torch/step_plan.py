@@ -9,7 +9,9 @@ with the first plan that schedules it, and its id appears in `finished_request_i
 first plan after it ended, so the runner drops its state.
 
 Layout: S sequences, decodes first (`num_decodes` sequences computing one token each), then
-prefill chunks; their T tokens are flattened in that order.
+prefill chunks; their T tokens are flattened in that order. A speculating sequence is laid out as a
+chunk: its last token and then its `num_drafts` draft tokens, every one of them giving logits
+(service.engine.torch.speculative verifies the drafts against them).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class StepPlan:
     finished_request_ids: tuple[str, ...] = ()
     lora_fills: tuple[tuple[int, LoraAdapter], ...] = ()  # (slot, adapter): fill before this step
     cleared_blocks: tuple[int, ...] = ()  # KV blocks to zero before this step (KVPool.clear)
+    num_drafts: tuple[int, ...] = ()  # [S] draft tokens ending each sequence's query; (): none at all
+
+    def drafts_of(self, i: int) -> int:
+        """How many draft tokens end sequence i's query (0: it is no speculating sequence)."""
+        return self.num_drafts[i] if self.num_drafts else 0
 
     @property
     def num_sequences(self) -> int:
@@ -80,6 +87,7 @@ class ScheduledSequence:
     sample: bool
     prompt_logits: bool
     adapter_slot: int = NO_ADAPTER
+    num_drafts: int = 0  # the last tokens of the query are drafts (token_ids holds them too)
 
 
 def build_plan(
@@ -120,4 +128,5 @@ def build_plan(
         finished_request_ids=finished_request_ids,
         lora_fills=lora_fills,
         cleared_blocks=cleared_blocks,
+        num_drafts=tuple(s.num_drafts for s in ordered) if any(s.num_drafts for s in ordered) else (),
     )

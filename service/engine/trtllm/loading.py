@@ -104,6 +104,11 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_UNIFIED_ATTENTION applies to the torch engine; unset it")
     if not config.fp8_scaled_mm:
         raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
+    if config.speculative is not None:
+        raise refuse(
+            "NIM_SPECULATIVE_CONFIG / NIM_DRAFT_MODEL_PATH: speculative decoding is not passed to "
+            "TensorRT-LLM yet (its NGramDecodingConfig is unchecked here); use a torch profile or unset them"
+        )
     if config.num_threads is not None:
         raise refuse("NIM_NUM_THREADS applies to the torch engine on the CPU; unset it")
     if config.collective_timeout_s is not None:
