@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.core import TorchEngineCore
 from service.engine.torch.loading import build_core

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.config import ConfigError, load_settings
+from service.config_loading import ConfigError, load_settings
 from service.engine.protocol import SamplingParams
 from service.engine.speculative_config import (
     SpeculativeConfig,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.config import UnsupportedConfigError
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.speculative_config import SpeculativeConfig

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.config import load_settings
+from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.block_pool import hash_block, root_hash
 from service.engine.torch.core import TorchEngineCore
