@@ -58,6 +58,7 @@ from service.dynamo.worker import endpoint_path
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     AdapterError,
+    ConstraintRefusedError,
     EngineInfo,
     EngineStats,
     ErrorCause,
@@ -184,7 +185,7 @@ class RoutedEngine:
                 self._grammar_compiler = await asyncio.to_thread(self._grammars)
             await self._grammar_compiler.prepare(guided)
         except GrammarError as exc:
-            raise RequestRefusedError(str(exc)) from None
+            raise ConstraintRefusedError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         """Nothing to do: a request is cancelled on its worker when its stream is closed."""
