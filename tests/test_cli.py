@@ -177,3 +177,26 @@ def test_download_to_cache_takes_nims_short_profile_flag(tmp_path: Path) -> None
     done = run_cli("download-to-cache", "-p", profile.id, env={"NIM_CACHE_PATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert f"{profile.id} ({profile.name})" in done.stdout and ".gguf" in done.stdout
+
+
+def test_help_lists_the_commands(capsys) -> None:
+    """`nim-torch --help` names every command (issue 44 found only serve's flags there once);
+    `serve --help` lists serve's flags."""
+    from service.cli import main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    for command in (
+        "serve",
+        "list-model-profiles",
+        "download-to-cache",
+        "create-model-store",
+        "detect",
+        "health",
+    ):
+        assert command in out, out
+    try:
+        main(["serve", "--help"])
+    except SystemExit as exc:
+        assert not exc.code
+    assert "--max-model-len" in capsys.readouterr().out
