@@ -45,7 +45,7 @@ def _env(name: str) -> AliasChoices:
 
 
 class Settings(SettingsViews, ResponsesStoreFields, BaseSettings):
-    """Service settings. Field docs are the configuration table in README.md."""
+    """Service settings. Field docs are the configuration table in docs/configuration.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
 
