@@ -4,7 +4,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 EMBEDDED := model_store/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-HOST ?= 127.0.0.1
+# Where `make serve` listens: HOST=0.0.0.0 for every interface, PORT=9000 (or NIM_SERVER_HOST / NIM_SERVER_PORT).
+HOST ?= $(or $(NIM_SERVER_HOST),127.0.0.1)
+PORT ?= $(or $(NIM_SERVER_PORT),8000)
 # Dynamo's Python half, beside the `dynamo` extra's runtime: its declared dependencies pull aisimulate
 # (the planner's, unused here), which downloads from a host outside PyPI, so it goes in --no-deps.
 AI_DYNAMO := ai-dynamo==1.6.1
@@ -39,7 +41,7 @@ $(EMBEDDED): $(VENV)/.runtime
 	$(PY) -m service.store.model_store install-embedded
 
 serve: setup
-	$(PY) entrypoint.py serve --host $(HOST)
+	$(PY) entrypoint.py serve --host $(HOST) --port $(PORT)
 
 # Two Dynamo workers and the router (this server's API) on 127.0.0.1:8000, file discovery, no etcd/NATS.
 dynamo-local: setup $(VENV)/.dynamo

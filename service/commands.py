@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import ssl
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -102,12 +103,22 @@ def _profiles(settings: Settings, wanted: list[str], everything: bool) -> list[P
 
 
 def download_to_cache(settings: Settings, wanted: list[str], everything: bool) -> None:
+    """Fetch each profile's files into the cache, printing where they are. One that cannot be fetched
+    (offline and not cached, say a tensorrt_llm profile's Hugging Face checkpoint under --all) is
+    reported on stderr and the rest are still fetched; then CommandError names those that failed."""
+    failed: list[str] = []
     for profile in _profiles(settings, wanted, everything):
         try:
             path = fetch_profile(profile, settings)
         except DownloadError as exc:
-            raise CommandError(f"{profile.name}: {exc}") from None
-        print(f"{profile.id} ({profile.name}): {path}")
+            print(f"error: {profile.name}: {exc}", file=sys.stderr, flush=True)
+            failed.append(profile.name)
+            continue
+        print(f"{profile.id} ({profile.name}): {path}", flush=True)
+    if failed:
+        raise CommandError(
+            f"{len(failed)} profile(s) not downloaded: {', '.join(failed)} (the reasons are above)"
+        )
 
 
 def create_model_store(settings: Settings, wanted: str, directory: Path) -> None:

@@ -46,7 +46,7 @@ def _env(name: str) -> AliasChoices:
 
 
 class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSettings):
-    """Service settings. Field docs are the configuration table in README.md."""
+    """Service settings. Field docs are the configuration table in docs/configuration.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
 

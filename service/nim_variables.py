@@ -182,7 +182,7 @@ NIM_VARIABLES: tuple[NimVariable, ...] = (
         "1.x",
         _refused(
             "no deterministic mode is offered: greedy and seeded requests are batch-invariant on "
-            "the CPU paths already (README: Batch invariance), on CUDA not yet verified",
+            "the CPU paths already (docs/engine.md: Batch invariance), on CUDA not yet verified",
             FALSE,
         ),
     ),
@@ -323,7 +323,7 @@ def check_environment(env: Mapping[str, str], read: Mapping[str, str]) -> Enviro
 
 def _unknown(name: str, known: set[str]) -> str:
     close = difflib.get_close_matches(name.upper(), sorted(known), n=1, cutoff=0.75)
-    hint = f"did you mean {close[0]}?" if close else "see the configuration table in README.md"
+    hint = f"did you mean {close[0]}?" if close else "see the configuration table in docs/configuration.md"
     return f"{name} is not a setting of this server: {hint} (unset it)"
 
 
@@ -349,7 +349,7 @@ def _link_services(name: str) -> list[str]:
 
 
 def markdown_table(read: Mapping[str, str]) -> str:
-    """The table as README.md renders it: every documented variable, in NIM's versions, and what
+    """The table as docs/configuration.md renders it: every documented variable, in NIM's versions, and what
     happens to it here (`read`: each variable Settings reads -> the setting's own variable)."""
     lines = ["| variable | NIM | here | what instead / note |", "|---|---|---|---|"]
     for variable in NIM_VARIABLES:

@@ -466,12 +466,14 @@ def serve_help() -> str:
         lines.append(f"  {names}{shape}")
         lines.append(f"      {flag.help}" + ("" if flag.field is None else f" (Settings.{flag.field})"))
     lines.append("")
-    lines.append("Every other vLLM flag is refused by name with why; each has a NIM_* variable (README).")
+    lines.append(
+        "Every other vLLM flag is refused by name with why; each has a NIM_* variable (docs/configuration.md)"
+    )
     return "\n".join(lines)
 
 
 def markdown_table() -> str:
-    """The accepted flags as README.md renders them."""
+    """The accepted flags as docs/configuration.md renders them."""
     lines = ["| flag | sets | note |", "|---|---|---|"]
     for flag in FLAGS:
         names = ", ".join(f"`{name}`" for name in flag.names)

@@ -9,8 +9,9 @@ an engine package.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from importlib import resources
 
@@ -108,8 +109,11 @@ def _activation_dtype(settings: Settings, profile: Profile) -> DType:
     return settings.dtype if PRECISION_SPECS[profile.precision].weight_only else "auto"
 
 
-# The embedded SmolLM2's own template renders no tools; this one (Hermes format) does.
+# SmolLM2-Instruct's own chat template renders no tools; this one (Hermes format) does, and renders
+# exactly as that template without them. It goes with the model's template, so the embedded model
+# gets it however it was named (no model, its path, a copy of the file) and so do SmolLM2 checkpoints.
 EMBEDDED_TOOL_TEMPLATE = "smollm2_tool_use.jinja"
+SMOLLM2_TEMPLATE_SHA256 = "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788"
 
 
 def embedded_tool_template() -> str:
@@ -117,17 +121,30 @@ def embedded_tool_template() -> str:
     return resources.files("service.text").joinpath("templates", EMBEDDED_TOOL_TEMPLATE).read_text("utf-8")
 
 
-def use_chat_templates(settings: Settings, tokenizer: Tokenizer, embedded: bool) -> None:
+def shipped_tool_template(templates: Mapping[str, str]) -> str | None:
+    """The tool_use template this server ships for a model with these chat templates: the Hermes
+    one for SmolLM2-Instruct's own template (recognised by its text) when the model has no tool_use
+    template of its own; else None."""
+    default = templates.get("default")
+    if "tool_use" in templates or default is None:
+        return None
+    if hashlib.sha256(default.encode("utf-8")).hexdigest() != SMOLLM2_TEMPLATE_SHA256:
+        return None
+    return embedded_tool_template()
+
+
+def use_chat_templates(settings: Settings, tokenizer: Tokenizer) -> None:
     """The chat templates conversations are rendered with: NIM_CHAT_TEMPLATE's, when set, instead of
-    all the model's own (its tool_use template too); for the embedded model otherwise its own plus
-    the shipped tool_use template, so that requests with tools work out of the box."""
+    all the model's own (its tool_use template too); otherwise the model's own, plus the shipped
+    tool_use template where one fits them (`shipped_tool_template`), so that requests with tools
+    work out of the box on the embedded model."""
     source = settings.chat_template_source
     if source is not None:
         tokenizer.replace_templates({"default": source})
         log.info("NIM_CHAT_TEMPLATE: conversations are rendered with the configured template "
                  "(%d characters), not the model's", len(source))  # fmt: skip
-    elif embedded:
-        tokenizer.replace_templates({**tokenizer.templates, "tool_use": embedded_tool_template()})
+    elif (tool_use := shipped_tool_template(tokenizer.templates)) is not None:
+        tokenizer.replace_templates({**tokenizer.templates, "tool_use": tool_use})
 
 
 async def load(
@@ -178,7 +195,7 @@ def bring_up_model(settings: Settings) -> BringUp:
             on_engine_death(f"engine failed: {one_line(exc, with_type=True)}")
 
         loaded, process_path = await load(settings, config, died)
-        use_chat_templates(settings, loaded.tokenizer, embedded=plan.profile.source.repo == "embedded")
+        use_chat_templates(settings, loaded.tokenizer)
         engine = MeteredEngine(loaded.engine, metrics)
         await engine.start()
         started = loaded.engine.info  # with what the engine decided while it started (its graphs)

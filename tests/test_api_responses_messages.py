@@ -305,6 +305,18 @@ def test_agents_answer_and_call_a_tool(server: ServerProcess) -> None:
         ({"input": [{"role": "user", "content": "a", "zz": 1}]}, "input.0.zz"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        (  # refused by the engine's constraint check, named as the field that carried it
+            {
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "n",
+                        "schema": {"type": "number", "multipleOf": 2},
+                    }
+                }
+            },
+            "text.format",
+        ),
         ({"frobnicate": 1}, "frobnicate"),
         ({"max_output_tokens": 10**7}, "max_output_tokens"),
     ],

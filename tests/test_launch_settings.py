@@ -82,7 +82,7 @@ def test_an_unknown_nim_variable_names_the_closest_known_one() -> None:
         "NIM_MAX_MODEL_LENGTH is not a setting of this server: did you mean NIM_MAX_MODEL_LEN? (unset it)"
     )
     assert "did you mean NIM_SERVER_PORT?" in _refusal(NIM_SEVER_PORT="9000")
-    assert "see the configuration table in README.md" in _refusal(NIM_WHATEVER_THIS_IS="1")
+    assert "see the configuration table in docs/configuration.md" in _refusal(NIM_WHATEVER_THIS_IS="1")
     # several problems: one line, each named
     both = _refusal(NIM_MAX_MODEL_LENGTH="1", NIM_SPECDEC_ARGS="x")
     assert "NIM_MAX_MODEL_LENGTH" in both and "NIM_SPECDEC_ARGS" in both

@@ -4,7 +4,7 @@ Every row of the table is walked against a real server on both endpoints it belo
 refused field (or a refused value of a field honoured for some values) is a 400 whose `param`
 names it; an honoured one is a 200; a field the table does not list is refused as OpenAI refuses
 it. vLLM's `structured_outputs` constrains the answer for each of its kinds. A fifth stop string
-and an image part get messages that say so. README's request-field table is the table's rendering.
+and an image part get messages that say so. docs/api.md's request-field table is the table's rendering.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from service.api.schemas import (
 )
 from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 # A template that reads what the template-layer fields pass it, so they are honoured on any model.
@@ -517,13 +517,13 @@ def test_an_assistant_messages_thinking_and_refusal_reach_the_template(
     assert prompt_tokens({field: words}) >= prompt_tokens({}) + 10  # about a token a word
 
 
-# --- README ----------------------------------------------------------------------------------------
+# --- docs/api.md -----------------------------------------------------------------------------------
 
 START, END = "<!-- request-fields:start -->", "<!-- request-fields:end -->"
 
 
-def test_readme_shows_the_table() -> None:
-    text = README.read_text()
-    assert START in text and END in text, "README lost its request-field markers"
+def test_the_api_doc_shows_the_table() -> None:
+    text = API_DOC.read_text()
+    assert START in text and END in text, "docs/api.md lost its request-field markers"
     shown = text[text.index(START) + len(START) : text.index(END)]
     assert shown.strip() == request_fields.markdown_table().strip()

@@ -241,4 +241,32 @@ def test_what_no_text_satisfies_or_xgrammar_would_ignore_is_a_400(
         error = response.json()["error"]
         assert message in error["message"], error["message"]
         assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+        assert error["param"] == _constraint_field(extra)  # issue 44: it was null
         assert client.get("/v1/health/ready").status_code == 200
+
+
+def _constraint_field(extra: dict) -> str:
+    [(key, value)] = extra.items()
+    return f"nvext.{next(iter(value))}" if key == "nvext" else key
+
+
+@pytest.mark.parametrize(
+    ("choice", "param"),
+    [
+        ("required", "tools"),
+        ({"type": "function", "function": {"name": "pick"}}, "tools.1.function.parameters"),
+    ],
+    ids=["required", "named"],
+)
+def test_a_forced_calls_refused_schema_is_named(base_url: str, choice: object, param: str) -> None:
+    """The grammar of a forced call enforces the tools' parameters: its refusal names them."""
+    unique = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": unique}} for name in ("other", "pick")
+    ]
+    body = {"model": EMBEDDED_NAME, "max_tokens": 4, "tools": tools, "tool_choice": choice,
+            "messages": [{"role": "user", "content": "Pick."}]}  # fmt: skip
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "'uniqueItems'" in error["message"] and error["param"] == param, error

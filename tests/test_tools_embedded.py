@@ -16,11 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from service.serving import embedded_tool_template
+from service.config_loading import load_settings
+from service.serving import embedded_tool_template, use_chat_templates
 from service.store.model_store import embedded_model_path
 from service.text.chat_template import ChatTemplate
 from service.text.tokenizer import Tokenizer
-from tests.conftest import EMBEDDED_NAME
+from tests.conftest import EMBEDDED_NAME, start_server, wait_ready
 
 WEATHER = {
     "type": "object",
@@ -63,6 +64,40 @@ def test_the_tool_template_renders_like_the_models_own_without_tools() -> None:
             assert tools.render(messages, prompt) == ChatTemplate(own).render(messages, prompt)
     rendered = tools.render([{"role": "user", "content": "Hi"}], True, None, tools=TOOLS)
     assert "<tools>\n" + json.dumps(TOOLS[0]) in rendered and "<tool_call>" in rendered
+
+
+def test_the_tool_template_follows_the_models_template_not_how_it_was_named() -> None:
+    """Issue 44: the embedded GGUF served by path answered a tools request with 400 "this model's
+    chat template does not render tools"; the shipped template goes with SmolLM2's own template."""
+    settings = load_settings(sources={})
+    smollm2 = Tokenizer.from_gguf(embedded_model_path())
+    use_chat_templates(settings, smollm2)
+    assert smollm2.templates["tool_use"] == embedded_tool_template()
+    other = Tokenizer.from_gguf(embedded_model_path())
+    other.replace_templates({"default": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    use_chat_templates(settings, other)
+    assert "tool_use" not in other.templates
+
+
+def test_the_embedded_gguf_served_by_path_takes_tools(tmp_path) -> None:
+    """Served by its path (under the file's stem as its name), the same model answers a forced call."""
+    proc = start_server(tmp_path / "server.log", args=[str(embedded_model_path())])
+    try:
+        wait_ready(proc)
+        [card] = httpx.get(f"{proc.base_url}/v1/models", timeout=10).json()["data"]
+        assert card["id"] == embedded_model_path().stem
+        reply = _client(proc).chat.completions.create(
+            model=card["id"],
+            messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,
+        )
+        [call] = reply.choices[0].message.tool_calls or []
+        _check(call, set(SCHEMAS))
+    finally:
+        proc.stop()
 
 
 def _client(server) -> openai.OpenAI:

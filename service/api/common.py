@@ -14,7 +14,7 @@ from fastapi import Request
 from service.api.errors import APIError, invalid_request, model_not_found
 from service.api.schemas import SamplingFields, Usage
 from service.api.state import Ready, ServiceState
-from service.engine.protocol import GenerationRequest, RequestRefusedError
+from service.engine.protocol import ConstraintRefusedError, GenerationRequest, RequestRefusedError
 from service.telemetry.tracing import annotate
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,16 @@ async def adapter_for(ready: Ready, model: str) -> str | None:
     return model
 
 
-async def check_requests(ready: Ready, requests: list[GenerationRequest]) -> None:
-    """400 for what the serving engine would refuse, before anything is admitted or streamed."""
+async def check_requests(
+    ready: Ready, requests: list[GenerationRequest], constraint_param: str | None = None
+) -> None:
+    """400 for what the serving engine would refuse, before anything is admitted or streamed; a
+    refused structured-output constraint names `constraint_param`, the field that carried it."""
     for request in requests:
         try:
             await ready.engine.check(request)
+        except ConstraintRefusedError as exc:
+            raise invalid_request(str(exc), constraint_param) from None
         except RequestRefusedError as exc:
             raise invalid_request(str(exc), None) from None
 

@@ -26,8 +26,9 @@ STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": 
                       "grammar": "guided_grammar"}  # fmt: skip
 
 
-def guided_decoding(body: SamplingFields) -> GuidedDecoding | None:
-    """The request's one constraint, or None; 400 when it gives several or a malformed one."""
+def named_guided_decoding(body: SamplingFields) -> tuple[str, GuidedDecoding] | None:
+    """The request's one constraint and the field that carried it (an engine's refusal of the
+    constraint names that field), or None; 400 when it gives several or a malformed one."""
     found: list[tuple[str, GuidedDecoding]] = []
     extras = dict(body.model_extra or {})
     response_format = getattr(body, "response_format", None) or extras.pop("response_format", None)
@@ -45,7 +46,7 @@ def guided_decoding(body: SamplingFields) -> GuidedDecoding | None:
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise invalid_request(f"give one structured-output constraint, not several ({names})", found[1][0])
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _structured_outputs(spec: StructuredOutputs) -> list[tuple[str, GuidedDecoding]]:

@@ -58,6 +58,7 @@ from service.dynamo.worker import endpoint_path
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
     AdapterError,
+    ConstraintRefusedError,
     EngineInfo,
     EngineStats,
     ErrorCause,
@@ -184,7 +185,7 @@ class RoutedEngine:
                 self._grammar_compiler = await asyncio.to_thread(self._grammars)
             await self._grammar_compiler.prepare(guided)
         except GrammarError as exc:
-            raise RequestRefusedError(str(exc)) from None
+            raise ConstraintRefusedError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         """Nothing to do: a request is cancelled on its worker when its stream is closed."""
@@ -368,10 +369,10 @@ def read_cards(subscriber: FpmEventSubscriber) -> dict[int, WorkerCard]:
 TOKENIZER_FILES = ("*.json", "*.jinja", "tokenizer.model")
 
 
-def router_tokenizer(settings: Settings, card: WorkerCard) -> tuple[Tokenizer, bool]:
+def router_tokenizer(settings: Settings, card: WorkerCard) -> Tokenizer:
     """The tokenizer of the workers' profile, from the model's files as this router resolves
     NIM_MODEL_NAME (a hub checkpoint's tokenizer files only; a GGUF holds its own, so it is read
-    whole), and whether it is the embedded model."""
+    whole)."""
     manifest = manifest_for(settings)
     profile = next((p for p in manifest.profiles if p.id == card.profile_id), None)
     if profile is None:
@@ -395,7 +396,7 @@ def router_tokenizer(settings: Settings, card: WorkerCard) -> tuple[Tokenizer, b
             f"the router's tokenizer ({path}) has {tokenizer.vocab_size} tokens, the workers' "
             f"{card.vocab_size}: give the router the workers' NIM_MODEL_NAME"
         )
-    return tokenizer, source.repo == "embedded"
+    return tokenizer
 
 
 def _is_store(settings: Settings) -> bool:
@@ -444,8 +445,8 @@ def bring_up_router(settings: Settings) -> Callable[[Metrics, Callable[[str], No
                 raise RuntimeError(
                     f"the workers disagree: models {sorted(names)}, KV block sizes {sorted(sizes)}"
                 )
-            tokenizer, embedded = await asyncio.to_thread(router_tokenizer, settings, card)
-            use_chat_templates(settings, tokenizer, embedded)
+            tokenizer = await asyncio.to_thread(router_tokenizer, settings, card)
+            use_chat_templates(settings, tokenizer)
             config = KvRouterConfig(router_track_active_blocks=settings.dynamo_router_track_active_blocks)
             router = KvRouter(endpoint, card.info.kv_block_size, config)
             guided = None

@@ -23,12 +23,12 @@ from service.engine.core import Abort, Command, EngineCore, Fail, Stop, Submit, 
 from service.engine.guided.specs import GrammarError
 from service.engine.protocol import (
     AdapterCatalog,
+    ConstraintRefusedError,
     EngineInfo,
     EngineStats,
     GenerationRequest,
     KVEvent,
     RequestOutput,
-    RequestRefusedError,
 )
 from service.engine.streams import Streams
 from service.text.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ class AsyncEngine:
             job.cancel()
             raise
         except GrammarError as exc:
-            raise RequestRefusedError(str(exc)) from None
+            raise ConstraintRefusedError(str(exc)) from None
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         request_id = request.request_id

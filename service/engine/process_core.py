@@ -32,6 +32,7 @@ from service.engine.config import EngineConfig
 from service.engine.core import Abort, Command, EngineCore, Fail, PendingCompile, Stop, Submit, Wake, drive
 from service.engine.guided.specs import GrammarError
 from service.engine.protocol import (
+    ConstraintRefusedError,
     EngineInfo,
     EngineStats,
     GenerationRequest,
@@ -295,7 +296,7 @@ class EngineProcess:
                     return  # cancelled: the API process no longer waits
             error = None if pending.future.cancelled() else pending.future.exception()
             if isinstance(error, GrammarError):
-                error = RequestRefusedError(str(error))
+                error = ConstraintRefusedError(str(error))
             self.send(Checked(call_id, None if error is None else portable(error)))
 
         pending.future.add_done_callback(settled)

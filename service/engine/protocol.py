@@ -328,6 +328,11 @@ class RequestRefusedError(ValueError):
     answers 400 before anything is sent."""
 
 
+class ConstraintRefusedError(RequestRefusedError):
+    """The request's structured-output constraint cannot be served (over a limit, not enforceable,
+    unsatisfiable, does not compile); the API names the field that carried it."""
+
+
 class Engine(Protocol):
     """An inference engine. `generate` may be called from the event loop thread only."""
 

@@ -46,7 +46,7 @@ from service.api.generation import (
     new_id,
     usage,
 )
-from service.api.guided import guided_decoding
+from service.api.guided import named_guided_decoding
 from service.api.schemas import FinishReason, Usage
 from service.api.sse import sse, sse_error
 from service.api.state import Ready, ServiceState
@@ -156,6 +156,17 @@ class ChatRun:
         return totals
 
 
+def _forced_tool_param(body: ChatCompletionRequest) -> str:
+    """The field whose schema a forced call's grammar enforces: the named function's parameters,
+    or every tool's (tool_choice required)."""
+    choice = body.tool_choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    for index, tool in enumerate(body.tools or []):
+        if name is not None and tool.get("function", {}).get("name") == name:
+            return f"tools.{index}.function.parameters"
+    return "tools"
+
+
 async def prepare(ready: Ready, body: ChatCompletionRequest, request: Request,
                   request_id: str | None = None) -> ChatRun:  # fmt: skip
     """`body` (its fields already checked against service.api.request_fields) ready to run: 400s
@@ -172,13 +183,15 @@ async def prepare(ready: Ready, body: ChatCompletionRequest, request: Request,
         limits.tool_call_parser,
         limits.auto_tool_choice,
     )
-    guided = guided_decoding(body)
+    named_guided = named_guided_decoding(body)
+    constraint_param, guided = named_guided if named_guided is not None else (None, None)
     if tools is not None and tools.forced:
         if guided is not None:
             raise invalid_request("tool_choice required or named cannot be combined with a structured-output "
                                   "constraint (response_format, structured_outputs, guided_*)",
                                   "tool_choice")  # fmt: skip
         guided = tools.guided()
+        constraint_param = _forced_tool_param(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_prompt_logprobs(body, ready)
@@ -214,6 +227,6 @@ async def prepare(ready: Ready, body: ChatCompletionRequest, request: Request,
     engine_requests = build_requests(
         request_id, [prompt], body, [budget], ready.tokenizer.vocab_size, logprobs, adapter, guided, stop
     )
-    await unless_disconnected(request, check_requests(ready, engine_requests))
+    await unless_disconnected(request, check_requests(ready, engine_requests, constraint_param))
     answer = Answer(tools, turn, ready.reasoning is not None)
     return ChatRun(ready, state, body, request_id, engine_requests, prompt, text, answer)

@@ -35,7 +35,7 @@ from service.api.generation import (
     reject_unsupported,
     usage,
 )
-from service.api.guided import guided_decoding
+from service.api.guided import named_guided_decoding
 from service.api.logprobs import completion_logprobs, prompt_logprobs, with_top
 from service.api.sse import sse, sse_data, sse_error
 from service.api.state import Ready
@@ -71,10 +71,11 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs = LogprobRequest(sampled=body.logprobs, prompt=max(asked) if asked else None)
     logprobs.check(ready.info.engine.features, "logprobs")
     adapter = await adapter_for(ready, body.model)
-    guided = guided_decoding(body)
+    named_guided = named_guided_decoding(body)
+    constraint_param, guided = named_guided if named_guided is not None else (None, None)
     body = state.seeded(body)
     engine_requests = build_requests(request_id, prompts, body, budgets, vocab, logprobs, adapter, guided)
-    await unless_disconnected(request, check_requests(ready, engine_requests))
+    await unless_disconnected(request, check_requests(ready, engine_requests, constraint_param))
     state.admit()
     if body.stream:
         return sse(

@@ -28,7 +28,7 @@ Nothing is accepted and ignored.
   message must name the call it answers (`tool_call_id`), as OpenAI requires.
 
 `reject_unsupported` (service.api.generation) applies the table to each request before anything
-else is done with it; `markdown_table` renders it for the README, and the tests walk it whole.
+else is done with it; `markdown_table` renders it for docs/api.md, and the tests walk it whole.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def iter_rows() -> Iterator[tuple[Endpoint, RequestField]]:
             yield endpoint, row
 
 
-# --- The README's table ----------------------------------------------------------------------------
+# --- The table in docs/api.md --------------------------------------------------------------------
 
 _ENDPOINT_NAMES = {
     BOTH: "both",
@@ -236,7 +236,7 @@ _ENDPOINT_NAMES = {
     MESSAGES: "messages",
     ANTHROPIC: "messages, count_tokens",
 }
-# The typed lists of the Responses and Messages bodies, as the README shows them.
+# The typed lists of the Responses and Messages bodies, as docs/api.md shows them.
 ITEM_TABLES: tuple[tuple[str, Sequence[ItemType]], ...] = (
     ("responses `input` item type", INPUT_ITEMS),
     ("responses message content part type", INPUT_PARTS),
@@ -245,7 +245,7 @@ ITEM_TABLES: tuple[tuple[str, Sequence[ItemType]], ...] = (
 
 
 def markdown_table(rows: Sequence[RequestField] = FIELDS) -> str:
-    """The table as README.md shows it, between `<!-- request-fields:start -->` and
+    """The table as docs/api.md shows it, between `<!-- request-fields:start -->` and
     `<!-- request-fields:end -->` (a test holds the two together)."""
     lines = [
         "| field | endpoints | from | honoured | by / why |",

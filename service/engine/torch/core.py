@@ -46,6 +46,7 @@ from service.engine.lora_store import LoraStore
 from service.engine.models.base import CausalLM
 from service.engine.output import OutputProcessor
 from service.engine.protocol import (
+    ConstraintRefusedError,
     EngineInfo,
     EngineStats,
     ErrorCause,
@@ -209,7 +210,7 @@ class TorchEngineCore:
         try:
             return self.grammar_compiler().submit(guided)
         except GrammarError as exc:
-            raise RequestRefusedError(str(exc)) from None
+            raise ConstraintRefusedError(str(exc)) from None
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler (made on first use: its workers start then)."""
