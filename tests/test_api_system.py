@@ -39,11 +39,13 @@ def test_version_and_metadata(base_url: str) -> None:
         "fp8_scaled_mm",
         "fused_kernels",
         "engine_process",
+        "speculative_decoding",
     }
     assert not any(path["used"] for path in paths.values())  # the CPU, defaults
     assert "CUDA only" in paths["unified_attention"]["reason"]
     assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"
     assert "not fp8" in paths["fp8_scaled_mm"]["reason"]
+    assert paths["speculative_decoding"]["reason"] == "NIM_SPECULATIVE_CONFIG is unset"
 
 
 def test_metrics_count_requests_and_tokens(base_url: str) -> None:
