@@ -72,6 +72,8 @@ def measure(repo: Path, args: argparse.Namespace, port: int, workdir: Path) -> d
         "b1_step_ms": round(b1["itl_p50_ms"], 3),
         "b1_tok_per_s": round(b1["output_tok_per_s"], 2),
         "c64_step_ms": round(c64["itl_p50_ms"], 3),
+        "c64_itl_mean_ms": round(c64["itl_mean_ms"], 3),
+        "c64_ttft_p50_ms": round(c64["ttft_p50_ms"], 3),
         "c64_tok_per_s": round(c64["output_tok_per_s"], 2),
         "answers": [{"text": a["text"], "logprobs": a["logprobs"]} for a in answers],
     }
@@ -108,7 +110,14 @@ def main() -> None:
         for result in results:
             if result["answers"] != first:
                 raise SystemExit(f"{side}'s answers differ: {result['answers']} vs {first}")
-    numeric = ("b1_step_ms", "b1_tok_per_s", "c64_step_ms", "c64_tok_per_s")
+    numeric = (
+        "b1_step_ms",
+        "b1_tok_per_s",
+        "c64_step_ms",
+        "c64_itl_mean_ms",
+        "c64_ttft_p50_ms",
+        "c64_tok_per_s",
+    )
 
     def values(side: str, key: str) -> list[float]:
         return [float(r[key]) for r in runs[side]]  # type: ignore[arg-type]

@@ -154,6 +154,7 @@ async def run_once(args: argparse.Namespace, vocab: int) -> dict[str, float]:
         "ttft_p99_ms": 1000 * percentile(ttfts, 99),
         "itl_p50_ms": 1000 * percentile(itls, 50),
         "itl_p99_ms": 1000 * percentile(itls, 99),
+        "itl_mean_ms": 1000 * statistics.fmean(itls) if itls else float("nan"),
         "elapsed_s": elapsed,
     }
 
