@@ -300,6 +300,13 @@ class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSetti
         "start-up check of every layer shape against the dequantized matmul passes (else emulated, with "
         "a log line); off: emulated (weights dequantized for each matmul).",
     )
+    int8_logits: Literal["auto", "off"] = Field(
+        "auto",
+        validation_alias=_env("NIM_INT8_LOGITS"),
+        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection and the "
+        "embedding as int8 with one scale per row (a quarter of fp32's bytes per token); off: in the "
+        "activation dtype.",
+    )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",
         validation_alias=_env("NIM_ENGINE_PROCESS"),

@@ -27,7 +27,8 @@ READY_TIMEOUT_S = 180
 def embedded_default_precision() -> str:
     """The embedded model's default profile's precision on this machine: its Q4_1 blocks as int4
     where the CPU has bf16 instructions, fp32 where it lacks them (the int kernels are slower than
-    fp32 there; service/selection/profiles.py ranks them last)."""
+    fp32 there at batch 32: service/selection/profiles.py ranks them last for throughput, the
+    default profile type)."""
     from service.host import cpu_has_fast_bf16
 
     return "int4_wo" if cpu_has_fast_bf16() else "fp32"

@@ -320,3 +320,26 @@ def test_the_engine_computes_in_what_nim_dtype_names_over_int8_weights() -> None
     assert (asked.precision, asked.dtype) == ("int8_wo", "float32")
     assert config_for(load_settings(model_profile=INT8_WO)).dtype == "auto"  # the hardware's choice
     assert config_for(load_settings(dtype="float32")).precision == "fp32"
+
+
+@pytest.mark.parametrize(
+    "flags", [("avx2",), ("avx2", "avx512f", "avx512bw", "avx512vl")], ids=["avx2", "avx512"]
+)
+def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profile_type(
+    manifests, flags
+) -> None:
+    # Measured (bench/README.md "CPU precisions by measurement"): without bf16 instructions the
+    # weight-only int kernels are ~2x fp32 at batch 1 and slower at batch 32; bf16 is slower at both.
+    m = manifest(manifests, "embedded")
+    host = system("cpu_only")
+    plain = dataclasses.replace(host, cpu=dataclasses.replace(host.cpu, isa_flags=("sse4_2", "fma", *flags)))
+    throughput = select(m, plain, TORCH_ONLY)
+    assert throughput.chosen.profile.precision == "fp32"
+    assert "measured slower than fp32 at batch 32" in throughput.explanation[0]
+    assert "NIM_PROFILE_TYPE=latency ranks int4_wo and int8_wo first" in throughput.explanation[0]
+    latency = select(m, plain, Policy(engines=TORCH_ONLY.engines, profile_type="latency"))
+    assert latency.chosen.profile.precision == "int4_wo"
+    assert "bf16 ranked last" in latency.explanation[0]
+    assert "weight-only int ranked first for latency" in latency.explanation[0]
+    # With bf16 instructions int4_wo leads for either profile type.
+    assert select(m, host, TORCH_ONLY).chosen.profile.precision == "int4_wo"

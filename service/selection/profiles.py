@@ -428,11 +428,17 @@ def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, poli
 _FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def _slow_here(profile: Profile, system: SystemInfo) -> bool:
-    """bf16, and the int kernels (fast only with bf16 activations), run slower than fp32 on a CPU
-    without bf16 instructions: selection ranks them last there."""
+def _slow_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
+    """Measured on CPUs without bf16 instructions (AVX2 and AVX-512 alike; bench/README.md "CPU
+    precisions by measurement"): bf16 runs slower than fp32 at every batch size; the weight-only
+    int kernels (bf16 inside, fp32 around them) are about 2x faster than fp32 at batch 1 but
+    1.4-1.9x slower at batch 32. Selection ranks them last there for throughput, and lets them
+    lead for latency."""
+    spec = PRECISION_SPECS[profile.precision]
     fast_bf16 = bool(set(_FAST_BF16_FLAGS) & set(system.cpu.isa_flags))
-    return not system.gpus and not fast_bf16 and PRECISION_SPECS[profile.precision].cpu_wants_bf16
+    if system.gpus or fast_bf16 or not spec.cpu_wants_bf16:
+        return False
+    return not (spec.weight_only and policy.profile_type == "latency")
 
 
 def _unmeasured_here(verdict: Verdict, system: SystemInfo) -> bool:
@@ -452,7 +458,7 @@ def _unmeasured_here(verdict: Verdict, system: SystemInfo) -> bool:
 def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     p = verdict.profile
     family = system.gpus[0].family if system.gpus else "cpu"
-    last = _slow_here(p, system) or _unmeasured_here(verdict, system)
+    last = _slow_here(p, system, policy) or _unmeasured_here(verdict, system)
     precision_rank = len(PRECISIONS) if last else PRECISIONS.index(p.precision)
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
@@ -535,9 +541,8 @@ def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: st
         details = "; ".join(f"{v.profile.name}: {v.summary()}" for v in verdicts[:4])
         raise ProfileError(f"no profile of {manifest.model} fits this system ({details}){hint}")
     chosen = (native or runnable)[0]
-    why = [
-        f"selected {chosen.profile.name} ({chosen.profile.id[:12]}): {_why_first(chosen, runnable, system)}"
-    ]
+    reasons = _why_first(chosen, runnable, system, policy)
+    why = [f"selected {chosen.profile.name} ({chosen.profile.id[:12]}): {reasons}"]
     # A profile that would have won but for its engine missing from this image: say so once.
     notes = dict(policy.engine_notes)
     missing = [
@@ -556,7 +561,7 @@ def select(manifest: Manifest, system: SystemInfo, policy: Policy, requested: st
     return Selection(chosen, verdicts, why + explain(verdicts))
 
 
-def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo) -> str:
+def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo, policy: Policy) -> str:
     p = chosen.profile
     parts = [chosen.summary()]
     if p.llm_engine == "tensorrt_llm":
@@ -567,12 +572,16 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo)
     if p.gpu != "generic":
         parts.append(f"built for this GPU ({p.gpu.upper()})")
     parts.append(f"lowest runnable precision ({p.precision}, {chosen.mode_note})")
-    demoted = sorted({v.profile.precision for v in runnable if _slow_here(v.profile, system)})
+    demoted = sorted({v.profile.precision for v in runnable if _slow_here(v.profile, system, policy)})
     if demoted:
+        latency = " (NIM_PROFILE_TYPE=latency ranks int4_wo and int8_wo first: 2x fp32 at batch 1)"
         parts.append(
             f"{', '.join(demoted)} ranked last: this CPU has no {' or '.join(_FAST_BF16_FLAGS)}, "
-            "without which they run slower than fp32"
+            "without which they were measured slower than fp32 at batch 32"
+            + (latency if policy.profile_type == "throughput" else "")
         )
+    if not system.gpus and policy.profile_type == "latency" and PRECISION_SPECS[p.precision].weight_only:
+        parts.append("weight-only int ranked first for latency: measured 2x fp32 at batch 1 on such CPUs")
     unmeasured = sorted({v.profile.precision for v in runnable if _unmeasured_here(v, system)})
     if _unmeasured_here(chosen, system):
         parts.append(

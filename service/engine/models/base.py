@@ -40,6 +40,13 @@ class BuildOptions:
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     fused_kernels: bool = False  # CUDA: norms, SiLU-mul and RoPE as Triton kernels (triton_ops)
     prepack_cpu: bool = False  # the CPU: linear layers held in oneDNN's packed layout once loaded
+    # The CPU, weight-only int profiles: the logits projection and the embedding held as int8, one
+    # scale per row (a quarter of fp32's bytes per token; llama.cpp's Q8_0 output, as near as aten's
+    # int8 kernel allows), quantized from the float weights once they are loaded.
+    int8_logits: bool = False
+    # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
+    # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
+    int_kernels_in_bf16: bool = False
 
 
 ONE_PROCESS = BuildOptions()  # the whole model here, PyTorch's ops: what a model is built with by default

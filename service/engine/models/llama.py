@@ -37,7 +37,8 @@ from service.engine.models.base import (
 from service.engine.models.cpu_linear import PackedLinear, prepack_linears
 from service.engine.models.llama_layers import LINEAR_ROLES, LlamaDecoderLayer, RMSNorm
 from service.engine.models.llama_weights import load_checkpoint
-from service.engine.models.quant import QuantizedWeight
+from service.engine.models.quant import Int8Weight, QuantizedWeight
+from service.engine.models.quant_linear import Int8Embedding, Int8Linear
 from service.engine.models.rope import RotaryEmbedding
 from service.engine.models.tensor_parallel import Collectives
 from service.model.config import ModelConfig
@@ -85,6 +86,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.int8_logits = options.int8_logits
         self.tp: Collectives | None = None
         self.vocab_start = 0  # this rank's first vocabulary row
         self.full_vocab_size = config.vocab_size
@@ -109,11 +111,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def tensor_parallel(self) -> bool:
@@ -214,16 +216,32 @@ class LlamaForCausalLM(nn.Module):
         """
         target_device = device if device is not None else next(self.parameters()).device
         load_checkpoint(self, self.config, weights, target_device)
+        if self.int8_logits:
+            self._quantize_logits(target_device)
         if self.rotary.cos_cached.is_meta:
             self.rotary.to_empty(device=target_device)
         self.rotary.reset_cache()
+
+    def _quantize_logits(self, device: torch.device) -> None:
+        """The logits projection and the embedding as int8 (BuildOptions.int8_logits), from the
+        float weights just loaded; tied, one int8 table serves both and the float one is freed.
+        Per-row scales: each rank's vocab-parallel rows quantize as the whole table's would."""
+        dtype, embedding, untied = self.activation_dtype, self.model.embed_tokens, self.lm_head
+        assert isinstance(embedding, nn.Embedding), "the logits are quantized once, after loading"
+        assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is quantized"
+        head = Int8Weight.quantize(embedding.weight if untied is None else untied.weight)
+        self.lm_head = Int8Linear(head, None, dtype, device)
+        if untied is None:
+            self.model.embed_tokens = Int8Embedding(head, dtype, device, q=self.lm_head.q)
+        else:
+            self.model.embed_tokens = Int8Embedding(Int8Weight.quantize(embedding.weight), dtype, device)
 
     def weight_nbytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding table only where it is the logits
         layer too): the numerator of achieved weight bandwidth."""
         tensors: dict[int, Tensor] = {}
         for module in self.modules():
-            if isinstance(module, nn.Embedding | RotaryEmbedding):
+            if isinstance(module, nn.Embedding | Int8Embedding | RotaryEmbedding):
                 continue
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if isinstance(module, PackedLinear):

@@ -32,6 +32,7 @@ from service.engine.models.quant import (
     gguf_q4_1,
     quantize,
 )
+from service.engine.models.quant_linear import CPU_INT_KERNEL_DTYPE, Int4Linear, Int8Linear
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.precision import FLOAT_PRECISIONS
@@ -63,10 +64,9 @@ def linear_role(name: str, config: ModelConfig) -> str | None:
 def target_format(precision: str, role: str | None) -> str | None:
     """The format a weight of this role is held in under `precision` (None: float).
 
-    The logits layer stays in the activation dtype under every precision: requantizing a GGUF
-    file's Q8_0 output matrix per row cost the embedded model 0.2% perplexity, and the bf16
-    matmul is as fast at batch 1 and faster at batch 32 than the int8 kernel on the CPU
-    (bench/README.md); ModelOpt exports exclude lm_head too.
+    The logits layer loads in the activation dtype under every precision (ModelOpt exports
+    exclude lm_head too); on the CPU, weight-only int profiles with 16-bit activations then hold
+    it as int8 once the model is built (BuildOptions.int8_logits, NIM_INT8_LOGITS).
     """
     if role != "layer" or precision in FLOAT_PRECISIONS:
         return None
@@ -330,6 +330,10 @@ def build_model(
         model = model_class(config.architecture)(config, options)
     model = model.to(dtype=dtype)
     model.load_weights(weights, device=device)
+    if options.int_kernels_in_bf16:
+        for module in model.modules():
+            if isinstance(module, Int4Linear | Int8Linear):
+                module.compute_in(CPU_INT_KERNEL_DTYPE)
     model.eval()
     model.requires_grad_(False)
     if options.prepack_cpu and isinstance(model, CpuPrepackable) and prepacking_supported(dtype, device):

@@ -47,6 +47,14 @@ def precision_mode(precision: str, device: torch.device) -> str:
     return _precision_mode(precision, device.type, capability)
 
 
+# What the native CPU int4/int8 kernels compute in under float32 activations, where the engine
+# asks (BuildOptions.int_kernels_in_bf16): their float32 path is a scalar loop, 10-40x slower than
+# their bf16 one, which is vectorised on every x86 host, AVX2 or AVX-512, bf16 instructions or not
+# (bench/README.md "CPU precisions by measurement"). Only each int layer's input and output then
+# round through bf16 (far finer than its int4/int8 weights); the attention, norms and residual
+# stream stay float32, which a CPU without bf16 instructions runs faster than bf16.
+CPU_INT_KERNEL_DTYPE = torch.bfloat16
+
 # The CPU int4 packing needs the output rows in multiples of this; other layers are padded.
 INT4_CPU_ROW_MULTIPLE = 16
 
@@ -98,7 +106,7 @@ class Int4Linear(QuantLinear):
                 scale = torch.cat([scale, scale.new_zeros(rows - n, scale.shape[1])])
                 zero = torch.cat([zero, zero.new_zeros(rows - n, zero.shape[1])])
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            # [K / group, N, 2]: (scale, zero) per group and row, in the activation dtype.
+            # [K / group, N, 2]: (scale, zero) per group and row, in the kernel's dtype (compute_in).
             scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
             self.register_buffer("packed", packed.to(device))
             self.register_buffer("scales_zeros", scales_zeros.to(device))
@@ -107,6 +115,11 @@ class Int4Linear(QuantLinear):
             self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(device))
             self.register_buffer("scale", weight.scale.to(device))
             self.register_buffer("zero", weight.zero.to(device))
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Run the native kernel in `dtype` (see CPU_INT_KERNEL_DTYPE), the input and output cast."""
+        if self.native:
+            self.scales_zeros = self.scales_zeros.to(dtype)
 
     def dequantized(self) -> Tensor:
         if self.native:
@@ -118,7 +131,9 @@ class Int4Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
             return F.linear(x, self.dequantized(), self.bias)
-        out = cast(Tensor, _INT4_MM_CPU(x, self.packed, self.group_size, self.scales_zeros))
+        kernel = self.scales_zeros.dtype
+        out = cast(Tensor, _INT4_MM_CPU(x.to(kernel), self.packed, self.group_size, self.scales_zeros))
+        out = out.to(x.dtype)
         if out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]
         return out if self.bias is None else out + self.bias
@@ -135,12 +150,17 @@ class Int8Linear(QuantLinear):
         super().__init__(weight.shape, bias, dtype)
         self.native = precision_mode(self.precision, device) == "native"
         self.register_buffer("q", weight.q.to(device))
-        # The CPU kernel takes the scales in the activation dtype.
+        # The CPU kernel takes the scales in its compute dtype (compute_in).
         self.register_buffer("scale", weight.scale.to(device, dtype if self.native else torch.float32))
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Run the native kernel in `dtype` (see CPU_INT_KERNEL_DTYPE), the input and output cast."""
+        if self.native:
+            self.scale = self.scale.to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.native:
-            out = cast(Tensor, _INT8_MM(x, self.q, self.scale))
+            out = cast(Tensor, _INT8_MM(x.to(self.scale.dtype), self.q, self.scale)).to(x.dtype)
             return out if self.bias is None else out + self.bias
         weight = (self.q.float() * self.scale[:, None]).to(self.dtype)
         return F.linear(x, weight, self.bias)
@@ -227,6 +247,31 @@ class NVFP4Linear(QuantLinear):
 _LINEARS: dict[type, type[QuantLinear]] = {
     FORMATS[spec.name]: globals()[spec.layer] for spec in SPECS if spec.layer is not None
 }
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table held as int8 with one float32 scale per row (Int8Weight's format): a
+    lookup dequantizes only the rows it reads, into the activation dtype. With tied embeddings it
+    shares its int8 rows with the logits layer (Int8Linear), so the float table is not kept."""
+
+    q: Tensor
+    scale: Tensor
+
+    def __init__(
+        self, weight: Int8Weight, dtype: torch.dtype, device: torch.device, q: Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.register_buffer("q", weight.q.to(device) if q is None else q)
+        self.register_buffer("scale", weight.scale.to(device))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        rows = self.q.index_select(0, input_ids).float() * self.scale.index_select(0, input_ids)[:, None]
+        return rows.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8"
 
 
 def make_linear(

@@ -27,7 +27,7 @@ from service.engine.models.loader import (
     quantizes_at_load,
 )
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
-from service.engine.precision import FLOAT_PRECISIONS, Mode, precision_mode
+from service.engine.precision import FLOAT_PRECISIONS, PRECISION_SPECS, Mode, precision_mode
 from service.engine.protocol import PathChoice
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.decode_path import DecodeOptions, captures_graphs
@@ -38,6 +38,7 @@ from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Rese
 from service.engine.torch.startup_checks import (
     FP8_SETTING,
     FUSED_SETTING,
+    INT8_LOGITS_SETTING,
     check_fp8_scaled_mm,
     check_fused_kernels,
     token_counts,
@@ -202,7 +203,14 @@ def load_rank(
         local_config = model_config if layout is None else layout.local_config()
         fused = _fused_path(local_config, config, dtype, device)  # checked before the model is built
         parallel = TensorParallel(ProcessGroupCollectives(), layout) if layout is not None else None
-        options = BuildOptions(tensor_parallel=parallel, fused_kernels=fused.used, prepack_cpu=True)
+        logits = _logits_path(config, device, dtype)
+        options = BuildOptions(
+            tensor_parallel=parallel,
+            fused_kernels=fused.used,
+            prepack_cpu=True,
+            int8_logits=logits.used,
+            int_kernels_in_bf16=device.type == "cpu" and dtype == torch.float32,
+        )
         if layout is None:
             model = build_model(model_config, weights, dtype, device, options)
         else:
@@ -217,7 +225,7 @@ def load_rank(
     except UnsupportedModelError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     fp8, mode = _fp8_path(model, config, mode)
-    paths = (fp8, fused)
+    paths = (fp8, fused, logits)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
     log.info(
@@ -276,6 +284,29 @@ def _fp8_path(model: CausalLM, config: EngineConfig, mode: Mode) -> tuple[PathCh
     counts = token_counts(budget)
     return chosen(True, f"its start-up check agreed with the dequantized matmul for every layer shape at "
                   f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s)"), mode  # fmt: skip
+
+
+def _logits_path(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> PathChoice:
+    """Whether the logits projection and the embedding are held as int8 (BuildOptions.int8_logits):
+    where the profile's layers are weight-only int, aten's int8 kernel runs natively (the CPU) and
+    the logits are computed in a 16-bit dtype anyway. Under fp32 activations the kernel (which
+    computes in bf16 there, BuildOptions.int_kernels_in_bf16) would round the logits to bf16 (steps of 0.125
+    at a logit of 20), which flips near-tied greedy tokens: the head stays float32 there."""
+
+    def chosen(used: bool, reason: str) -> PathChoice:
+        return PathChoice("int8_logits", used, reason, INT8_LOGITS_SETTING)
+
+    if not PRECISION_SPECS[config.precision].weight_only:
+        return chosen(
+            False, f"the profile's weights are {config.precision}: the logits stay in the activation dtype"
+        )
+    if device.type != "cpu":
+        return chosen(False, "the CPU only (its int8 kernel); here the logits stay in the activation dtype")
+    if not config.int8_logits:
+        return chosen(False, f"off ({INT8_LOGITS_SETTING}): the logits stay in the activation dtype")
+    if dtype == torch.float32:
+        return chosen(False, "fp32 activations: the int8 kernel would round the logits to bf16; float32 here")
+    return chosen(True, "the logits projection and the embedding as int8, one scale per row")
 
 
 def _fused_path(

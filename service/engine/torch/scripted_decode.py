@@ -88,13 +88,13 @@ def _linear(
     out_features: int,
     pad_rows: int,
 ) -> Tensor:
-    if kind == 2:  # INT4, as Int4Linear.forward
-        out = torch._weight_int4pack_mm_for_cpu(x, weight, group, aux)
+    if kind == 2:  # INT4, as Int4Linear.forward (the kernel computes in its scales' dtype)
+        out = torch._weight_int4pack_mm_for_cpu(x.to(aux.dtype), weight, group, aux).to(x.dtype)
         if out.shape[-1] != out_features:
             out = out[..., :out_features]
         return out if bias is None else out + bias
     if kind == 3:  # INT8, as Int8Linear.forward
-        out = torch._weight_int8pack_mm(x, weight, aux)
+        out = torch._weight_int8pack_mm(x.to(aux.dtype), weight, aux).to(x.dtype)
         return out if bias is None else out + bias
     if kind == 1:  # PACKED, as PackedLinear.forward
         rows = x.shape[0]

@@ -51,6 +51,7 @@ UNIFIED_SETTING = "NIM_UNIFIED_ATTENTION=off"
 GRAPHS_SETTING = "NIM_ENFORCE_EAGER=1"
 FP8_SETTING = "NIM_FP8_SCALED_MM=off"
 FUSED_SETTING = "NIM_FUSED_KERNELS=0"
+INT8_LOGITS_SETTING = "NIM_INT8_LOGITS=off"
 
 
 def close_enough(got: torch.Tensor, want: torch.Tensor, bound: float) -> str | None:

@@ -1,0 +1,99 @@
+"""aten's CPU weight-only int kernels against the float matmul, at the embedded model's layer shapes.
+
+    .venv/bin/python bench/cpu_int_kernels.py --out bench/results/.../kernels.json
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python bench/cpu_int_kernels.py   # an AVX-512 host's AVX2 kernels
+
+For M rows (1, 8, 32) and each projection of SmolLM2-135M (qkv, o, gate_up, down, and the 49152-row
+logits head), the median time of: F.linear on float32 and bfloat16 weights, and
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (group 32) with float32 and bfloat16 inputs.
+The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
+inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
+AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
+(BuildOptions.int_kernels_in_bf16). Prints one JSON document (with the command) and writes --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+INT8_MM = torch.ops.aten._weight_int8pack_mm
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+# [N out, K in] of SmolLM2-135M's projections.
+SHAPES = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "head": (49152, 576),
+}
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1e3, 4)
+
+
+def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
+    weight = torch.randn(n, k)
+    q8 = torch.randint(-127, 127, (n, k), dtype=torch.int8)
+    packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+    )
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        x, w = torch.randn(rows, k).to(dtype), weight.to(dtype)
+        scale8, scales4 = torch.rand(n).to(dtype), torch.rand(k // 32, n, 2).to(dtype)
+        result[f"float_{name}"] = median_ms(lambda x=x, w=w: F.linear(x, w), reps)
+        result[f"int8_{name}_inputs"] = median_ms(lambda x=x, s=scale8: INT8_MM(x, q8, s), reps)
+        result[f"int4_{name}_inputs"] = median_ms(lambda x=x, s=scales4: INT4_MM(x, packed4, 32, s), reps)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--reps", type=int, default=100, help="timed calls per case (the head: a tenth)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {
+        f"M{rows}_{name}": measure(rows, n, k, max(5, args.reps // 10) if name == "head" else args.reps)
+        for rows in args.rows
+        for name, (n, k) in SHAPES.items()
+    }
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "ms": results,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
