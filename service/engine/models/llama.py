@@ -55,7 +55,8 @@ def _embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
         super().__init__()
-        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
+        # Float, or int8 once loaded where BuildOptions.int8_logits asks (LlamaForCausalLM._quantize_logits).
+        self.embed_tokens: nn.Embedding | Int8Embedding = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.fused_kernels)
 
@@ -186,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (matmul in the model dtype, as HF does, then upcast)."""
         if self.lm_head is None:
-            logits: Tensor = F.linear(hidden, self.model.embed_tokens.weight)
+            logits: Tensor = F.linear(hidden, self._float_table())
         else:
             logits = self.lm_head(hidden)
         if self.tp is not None:  # vocab-parallel: every rank's slice, then the padding cut
@@ -200,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         after `load_weights` where `prepacking_supported` says so.
         """
         if self.lm_head is None:  # tied: the embedding stays a plain tensor for lookups
-            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.lm_head = PackedLinear(self._float_table(), None)
             self.lm_head.pad_small = self.lm_head.needs_padding()
         prepack_linears(self)
 
@@ -221,6 +222,12 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary.cos_cached.is_meta:
             self.rotary.to_empty(device=target_device)
         self.rotary.reset_cache()
+
+    def _float_table(self) -> Tensor:
+        """The float embedding table: the logits layer too while lm_head is None (tied, float)."""
+        embedding = self.model.embed_tokens
+        assert isinstance(embedding, nn.Embedding), "an int8 table comes with an Int8Linear lm_head"
+        return embedding.weight
 
     def _quantize_logits(self, device: torch.device) -> None:
         """The logits projection and the embedding as int8 (BuildOptions.int8_logits), from the
@@ -249,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
             tensors.update((id(t), t) for t in own)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.lm_head is None:  # tied float logits read the embedding table
-            table = self.model.embed_tokens.weight
+            table = self._float_table()
             total += table.numel() * table.element_size()
         return total
 

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, CpuPrepackable
 from service.engine.models.cpu_linear import prepacking_supported
@@ -331,6 +332,7 @@ def build_model(
     model = model.to(dtype=dtype)
     model.load_weights(weights, device=device)
     if options.int_kernels_in_bf16:
+        assert isinstance(model, nn.Module)
         for module in model.modules():
             if isinstance(module, Int4Linear | Int8Linear):
                 module.compute_in(CPU_INT_KERNEL_DTYPE)
