@@ -303,9 +303,9 @@ class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSetti
     int8_logits: Literal["auto", "off"] = Field(
         "auto",
         validation_alias=_env("NIM_INT8_LOGITS"),
-        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection and the "
-        "embedding as int8 with one scale per row (a quarter of fp32's bytes per token); off: in the "
-        "activation dtype.",
+        description="int8_wo and int4_wo profiles on the CPU with bf16 activations: auto holds the logits "
+        "projection and the embedding as int8 with one scale per row (half the bf16 head's bytes per "
+        "token); off: in the activation dtype. Under fp32 activations they stay fp32.",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",

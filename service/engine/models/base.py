@@ -40,9 +40,9 @@ class BuildOptions:
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     fused_kernels: bool = False  # CUDA: norms, SiLU-mul and RoPE as Triton kernels (triton_ops)
     prepack_cpu: bool = False  # the CPU: linear layers held in oneDNN's packed layout once loaded
-    # The CPU, weight-only int profiles: the logits projection and the embedding held as int8, one
-    # scale per row (a quarter of fp32's bytes per token; llama.cpp's Q8_0 output, as near as aten's
-    # int8 kernel allows), quantized from the float weights once they are loaded.
+    # The CPU, weight-only int profiles with bf16 activations: the logits projection and the
+    # embedding held as int8, one scale per row (half the bf16 head's bytes per token), quantized
+    # from the float weights once they are loaded (rank_loading._logits_path says where and why).
     int8_logits: bool = False
     # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
     # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
