@@ -5,7 +5,10 @@
 
 For M rows (1, 8, 32) and each projection of SmolLM2-135M (qkv, o, gate_up, down, and the 49152-row
 logits head), the median time of: F.linear on float32 and bfloat16 weights, and
-`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (group 32) with float32 and bfloat16 inputs.
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (group 32) with float32 and bfloat16 inputs,
+and the float32 layers the engine builds: oneDNN's packed layer (PackedLinear, small batches padded
+where its probe says so) and fbgemm's float16 one (HalfPackedLinear, the compact logits head under
+float32 activations).
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear
 
 INT8_MM = torch.ops.aten._weight_int8pack_mm
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -63,6 +68,13 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
         result[f"float_{name}"] = median_ms(lambda x=x, w=w: F.linear(x, w), reps)
         result[f"int8_{name}_inputs"] = median_ms(lambda x=x, s=scale8: INT8_MM(x, q8, s), reps)
         result[f"int4_{name}_inputs"] = median_ms(lambda x=x, s=scales4: INT4_MM(x, packed4, 32, s), reps)
+    x = torch.randn(rows, k)
+    packed = PackedLinear(weight, None)
+    packed.pad_small = packed.needs_padding()
+    half = HalfPackedLinear(weight)
+    with torch.inference_mode():
+        result["packed_fp32"] = median_ms(lambda: packed(x), reps)
+        result["fbgemm_fp16_weights"] = median_ms(lambda: half(x), reps)
     return result
 
 
@@ -70,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--reps", type=int, default=100, help="timed calls per case (the head: a tenth)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -260,6 +260,8 @@ def main() -> None:
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "ready_s": ready_s,
+                "profile": settings.model_profile,
+                "paths": {path.name: path.used for path in engine.info.paths},
                 "results": results,
             },
             indent=2,

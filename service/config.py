@@ -300,12 +300,12 @@ class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSetti
         "start-up check of every layer shape against the dequantized matmul passes (else emulated, with "
         "a log line); off: emulated (weights dequantized for each matmul).",
     )
-    int8_logits: Literal["auto", "off"] = Field(
+    compact_logits: Literal["auto", "off"] = Field(
         "auto",
-        validation_alias=_env("NIM_INT8_LOGITS"),
-        description="int8_wo and int4_wo profiles on the CPU with bf16 activations: auto holds the logits "
-        "projection and the embedding as int8 with one scale per row (half the bf16 head's bytes per "
-        "token); off: in the activation dtype. Under fp32 activations they stay fp32.",
+        validation_alias=_env("NIM_COMPACT_LOGITS"),
+        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection in half "
+        "the bytes: with bf16 activations as int8 with one scale per row (the embedding too), with fp32 "
+        "activations as float16 computed in float32 (fbgemm); off: in the activation dtype.",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -90,7 +90,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         fused_kernels=settings.fused_kernels,
         unified_attention=settings.unified_attention == "auto",
         fp8_scaled_mm=settings.fp8_scaled_mm == "auto",
-        int8_logits=settings.int8_logits == "auto",
+        compact_logits=settings.compact_logits == "auto",
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,

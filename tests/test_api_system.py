@@ -40,10 +40,10 @@ def test_version_and_metadata(base_url: str) -> None:
         "fused_kernels",
         "engine_process",
         "speculative_decoding",
-        "int8_logits",
+        "compact_logits",
     }
     # The CPU, defaults: the int8 logits only where the default is int4_wo with bf16 activations.
-    assert paths.pop("int8_logits")["used"] == (embedded_default_precision() == "int4_wo")
+    assert paths.pop("compact_logits")["used"] == (embedded_default_precision() == "int4_wo")
     assert not any(path["used"] for path in paths.values())
     assert "CUDA only" in paths["unified_attention"]["reason"]
     assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"

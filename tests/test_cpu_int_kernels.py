@@ -1,6 +1,7 @@
 """The CPU's int kernels as the engine builds them: in bf16 under fp32 activations
-(BuildOptions.int_kernels_in_bf16), and the logits projection and embedding held as int8
-(BuildOptions.int8_logits, NIM_INT8_LOGITS).
+(BuildOptions.int_kernels_in_bf16), and the logits projection held in half the bytes
+(BuildOptions.logits_format, NIM_COMPACT_LOGITS): int8 with bf16 activations, float16 (fbgemm,
+computed in float32) with float32 activations.
 
 References are the formula (x = q * scale, one scale per row, written here), the same model built
 with the exact float32 kernels, or with its float logits layer; never the code under test:
@@ -17,9 +18,15 @@ with the exact float32 kernels, or with its float logits layer; never the code u
 * the embedded model (int4_wo with bf16 activations, as a CPU with bf16 instructions serves it):
   greedy tokens equal to its bf16-head build but at near-ties, the chosen tokens' logprobs within
   the bound stated below;
-* where the int8 logits apply: weight-only profiles on the CPU with 16-bit activations;
-  NIM_INT8_LOGITS=off turns them off; the reason in each case (rank_loading._logits_path, shown in
-  /v1/metadata's executionPaths).
+* float16 logits: the head is fbgemm's packed float16 layer, the embedding stays float32 (tied:
+  the same table); logits equal the float model on the float16-rounded table to float32 summation
+  order; the embedded model's greedy tokens and logprobs against its float32 head, under float32
+  activations (as a CPU without bf16 instructions serves int4_wo);
+* where each applies: weight-only profiles on the CPU, int8 with bf16 activations, float16 with
+  float32 ones where the start-up probe passes (a build whose kernel computes a row differently
+  at another batch size keeps the float32 head, with the reason); NIM_COMPACT_LOGITS=off turns
+  them off; the reason in each case (rank_loading._logits_path, shown in /v1/metadata's
+  executionPaths).
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ import torch
 import transformers
 from torch import nn
 
+from service.engine.models import cpu_linear
 from service.engine.models.attention import CausalAttention
 from service.engine.models.base import BuildOptions
+from service.engine.models.cpu_linear import HalfPackedLinear, half_packing_problem
 from service.engine.models.loader import build_model, load_gguf, load_hf_dir
 from service.engine.models.quant import Int8Weight
 from service.engine.models.quant_linear import Int4Linear, Int8Embedding, Int8Linear
+from service.engine.torch import rank_loading
 from service.engine.torch.rank_loading import _logits_path
 from service.store.model_store import embedded_model_path
 from service.text.tokenizer import Tokenizer
@@ -48,6 +58,9 @@ REPO = Path(__file__).resolve().parent.parent
 LOGPROB_TOLERANCE = 0.25
 PROMPTS = 10
 NEW_TOKENS = 8
+# The same under the float16 head against the float32 one, float32 activations: measured 0.0034
+# over 80 steps, no token flipped.
+HALF_LOGPROB_TOLERANCE = 0.02
 # Logits through bf16 roundings against float32 ones (tests/test_quantization.py's bf16 bound, for
 # logits up to 10; scaled with the largest logit beyond that).
 BF16_LOGITS_TOLERANCE = 0.15
@@ -67,9 +80,9 @@ def _tiny_checkpoint(directory: Path, tied: bool) -> Path:
     return directory
 
 
-def _build(path: Path, int8_logits: bool, precision: str = "fp32") -> nn.Module:
+def _build(path: Path, logits_format: str, precision: str = "fp32") -> nn.Module:
     config, weights = load_hf_dir(path, precision)
-    return build_model(config, weights, torch.float32, "cpu", BuildOptions(int8_logits=int8_logits))
+    return build_model(config, weights, torch.float32, "cpu", BuildOptions(logits_format=logits_format))
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -80,7 +93,7 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_the_logits_and_embedding_are_int8_and_match_the_formula(tmp_path: Path, tied: bool) -> None:
     path = _tiny_checkpoint(tmp_path / "tiny", tied)
-    floats, quantized = _build(path, False), _build(path, True)
+    floats, quantized = _build(path, "float"), _build(path, "int8")
     head, embedding = quantized.lm_head, quantized.model.embed_tokens
     assert isinstance(head, Int8Linear) and head.native and head.q.dtype == torch.int8
     assert isinstance(embedding, Int8Embedding)
@@ -124,15 +137,17 @@ def _embedded_builds(dtype: torch.dtype, **variants: BuildOptions) -> dict[str, 
     return models
 
 
-def _greedy_agreement(reference: nn.Module, model: nn.Module) -> tuple[int, int, float]:
-    """Greedy decoding of the first PROMPTS prompts by `reference`, each step checked against
+def _greedy_agreement(
+    reference: nn.Module, model: nn.Module, prompts: int = PROMPTS
+) -> tuple[int, int, float]:
+    """Greedy decoding of the first `prompts` prompts by `reference`, each step checked against
     `model`: its token equal but where the reference's top two are within LOGPROB_TOLERANCE (a
     near-tie rounding decides; there the prompt's comparison ends). Returns (steps compared,
     near-ties taken the other way, the largest |logprob diff| of an agreed token)."""
     tokenizer = Tokenizer.from_gguf(embedded_model_path())
     lines = [line for line in (REPO / "tests/data/prompts.txt").read_text().splitlines() if line.strip()]
     worst, ties, compared = 0.0, 0, 0
-    for line in lines[:PROMPTS]:
+    for line in lines[:prompts]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": line}])
         ids = tokenizer.encode(text, add_special_tokens=False)
         for _ in range(NEW_TOKENS):
@@ -153,7 +168,7 @@ def test_the_embedded_model_decodes_the_same_greedy_tokens_with_int8_logits() ->
     models = _embedded_builds(
         torch.bfloat16,
         bf16_head=BuildOptions(prepack_cpu=True),
-        int8_head=BuildOptions(prepack_cpu=True, int8_logits=True),
+        int8_head=BuildOptions(prepack_cpu=True, logits_format="int8"),
     )
     assert isinstance(models["int8_head"].lm_head, Int8Linear)
     compared, ties, worst = _greedy_agreement(models["bf16_head"], models["int8_head"])
@@ -195,21 +210,85 @@ def test_int_kernels_in_bf16_under_fp32_activations(tmp_path: Path) -> None:
     assert worst > 0 and ties <= 2
 
 
-def _engine_config(precision: str, int8_logits: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(precision=precision, int8_logits=int8_logits)
+def _engine_config(precision: str, compact_logits: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(precision=precision, compact_logits=compact_logits)
 
 
-def test_where_the_int8_logits_apply_and_why() -> None:
-    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
-    used = _logits_path(_engine_config("int4_wo"), cpu, bf16)
-    assert used.used and used.setting == "NIM_INT8_LOGITS=off"
-    assert _logits_path(_engine_config("int8_wo"), cpu, bf16).used
-    for precision in ("fp32", "bf16", "fp8"):
-        path = _logits_path(_engine_config(precision), cpu, bf16)
-        assert not path.used and f"weights are {precision}" in path.reason
-    assert "the CPU only" in _logits_path(_engine_config("int4_wo"), cuda, bf16).reason
-    off = _logits_path(_engine_config("int4_wo", int8_logits=False), cpu, bf16)
-    assert not off.used and "NIM_INT8_LOGITS=off" in off.reason
-    # fp32 activations keep a float32 head: the kernel's bf16 output would flip near-tied tokens.
-    fp32 = _logits_path(_engine_config("int4_wo"), cpu, torch.float32)
-    assert not fp32.used and "round the logits to bf16" in fp32.reason
+def test_where_the_compact_logits_apply_and_why() -> None:
+    cpu, cuda, bf16, fp32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
+    used, form = _logits_path(_engine_config("int4_wo"), cpu, bf16, 576)
+    assert used.used and form == "int8" and used.setting == "NIM_COMPACT_LOGITS=off"
+    assert _logits_path(_engine_config("int8_wo"), cpu, bf16, 576)[1] == "int8"
+    for dtype in (bf16, fp32):
+        for precision in ("fp32", "bf16", "fp8"):
+            path, form = _logits_path(_engine_config(precision), cpu, dtype, 576)
+            assert not path.used and form == "float" and f"weights are {precision}" in path.reason
+        assert "the CPU only" in _logits_path(_engine_config("int4_wo"), cuda, dtype, 576)[0].reason
+        off, form = _logits_path(_engine_config("int4_wo", compact_logits=False), cpu, dtype, 576)
+        assert not off.used and form == "float" and "NIM_COMPACT_LOGITS=off" in off.reason
+    # float32 activations: float16 weights computed in float32, not the int8 kernel's bf16 output.
+    for precision in ("int4_wo", "int8_wo"):
+        half, form = _logits_path(_engine_config(precision), cpu, fp32, 576)
+        assert half.used and form == "fp16" and "float16, computed in float32" in half.reason
+
+
+def test_a_float16_kernel_that_fails_its_probe_keeps_the_float32_head(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert half_packing_problem(576) is None, "this host's build has fbgemm's float16 matmul"
+    plain = HalfPackedLinear.forward
+
+    def batch_dependent(self: HalfPackedLinear, x: torch.Tensor) -> torch.Tensor:
+        out = plain(self, x)
+        return out + 1e-3 if x.shape[0] == 5 else out  # a kernel that blocks 5 rows differently
+
+    monkeypatch.setattr(cpu_linear.HalfPackedLinear, "forward", batch_dependent)
+    problem = half_packing_problem(576)
+    assert problem == "fbgemm's float16 matmul computes a row differently at batch 5"
+    path, form = _logits_path(_engine_config("int4_wo"), torch.device("cpu"), torch.float32, 576)
+    assert not path.used and form == "float" and problem in path.reason
+    assert "stays float32 (NIM_COMPACT_LOGITS=off)" in caplog.text
+    monkeypatch.setattr(rank_loading, "half_packing_problem", lambda width: "no fbgemm here")
+    path, form = _logits_path(_engine_config("int8_wo"), torch.device("cpu"), torch.float32, 576)
+    assert form == "float" and "no fbgemm here" in path.reason
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_float16_head_computes_in_float32_from_float16_weights(tmp_path: Path, tied: bool) -> None:
+    path = _tiny_checkpoint(tmp_path / "tiny", tied)
+    floats, half = _build(path, "float"), _build(path, "fp16")
+    assert isinstance(half.lm_head, HalfPackedLinear)
+    assert isinstance(half.model.embed_tokens, nn.Embedding)  # lookups stay float32
+    assert half.model.embed_tokens.weight.dtype == torch.float32
+    prompt = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(9))
+    before = _logits(floats, prompt)
+    with torch.inference_mode():  # the reference: the float model over the float16-rounded head
+        head = floats.model.embed_tokens.weight if tied else floats.lm_head.weight
+        rounded = head.half().float()
+        hidden = floats(prompt, torch.arange(24), CausalAttention())
+        want = hidden @ rounded.T
+    got = _logits(half, prompt)
+    assert got.dtype == torch.float32
+    # Only the float32 summation order differs from the reference; the rounding itself is small.
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert 0 < float((got - before).abs().max()) <= 2**-10 * float(before.abs().max())
+    assert half.weight_nbytes() < floats.weight_nbytes()
+    # A row's logits do not depend on how many rows share the call.
+    rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = half.compute_logits(rows)
+        assert all(torch.equal(half.compute_logits(rows[:m]), whole[:m]) for m in (1, 2, 3, 7, 9, 33))
+
+
+def test_the_embedded_model_decodes_the_same_greedy_tokens_with_float16_logits() -> None:
+    models = _embedded_builds(
+        torch.float32,
+        float_head=BuildOptions(prepack_cpu=True, int_kernels_in_bf16=True),
+        half_head=BuildOptions(prepack_cpu=True, int_kernels_in_bf16=True, logits_format="fp16"),
+    )
+    assert isinstance(models["half_head"].lm_head, HalfPackedLinear)
+    compared, ties, worst = _greedy_agreement(models["float_head"], models["half_head"], PROMPTS // 2)
+    print(
+        f"float16 logits: {compared} greedy steps, {ties} near-tie(s) flipped; max |logprob diff| {worst:.5f}"
+    )
+    assert compared == PROMPTS // 2 * NEW_TOKENS and ties == 0 and worst <= HALF_LOGPROB_TOLERANCE

@@ -211,7 +211,7 @@ class EngineConfig:
     # chunks through the unified attention kernel; fp8 layers through torch._scaled_mm.
     unified_attention: bool = True
     fp8_scaled_mm: bool = True
-    int8_logits: bool = True  # the CPU, weight-only int, bf16 activations: int8 logits (NIM_INT8_LOGITS)
+    compact_logits: bool = True  # the CPU, weight-only int: an int8 or float16 head (NIM_COMPACT_LOGITS)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

@@ -291,7 +291,7 @@ class PathChoice:
     these): CUDA code that has not been measured on a GPU is checked at start against the path it
     replaces and falls back, with one log line, when the check fails."""
 
-    name: str  # "unified_attention", "cuda_graphs", "fp8_scaled_mm", "int8_logits", "fused_kernels", ...
+    name: str  # "unified_attention", "cuda_graphs", "fp8_scaled_mm", "compact_logits", "fused_kernels", ...
     used: bool
     reason: str  # one line: the check passed, what failed, the setting, or why it does not apply
     setting: str  # the variable that turns it off

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, runtime_checkable
+from typing import Literal, Protocol, Self, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +40,12 @@ class BuildOptions:
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     fused_kernels: bool = False  # CUDA: norms, SiLU-mul and RoPE as Triton kernels (triton_ops)
     prepack_cpu: bool = False  # the CPU: linear layers held in oneDNN's packed layout once loaded
-    # The CPU, weight-only int profiles with bf16 activations: the logits projection and the
-    # embedding held as int8, one scale per row (half the bf16 head's bytes per token), quantized
-    # from the float weights once they are loaded (rank_loading._logits_path says where and why).
-    int8_logits: bool = False
+    # The CPU, weight-only int profiles: the logits projection held in fewer bytes, made from the
+    # float weights once they are loaded (rank_loading._logits_path says where and why). "int8"
+    # (bf16 activations): the projection and the embedding as int8, one scale per row; "fp16"
+    # (float32 activations): the projection as float16 in fbgemm's packed layout, computed in
+    # float32 (cpu_linear.HalfPackedLinear); "float": as loaded.
+    logits_format: Literal["float", "int8", "fp16"] = "float"
     # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
     # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
     int_kernels_in_bf16: bool = False

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linear layers for CPU inference.
+"""Prepacked linear layers for CPU inference: oneDNN's (float weights) and fbgemm's (float16 weights).
 
 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every call; packing it once
 at load time makes the skinny matmuls of decoding 1.2x (batch 32) to 4x (batch 1) faster on an
@@ -12,6 +12,16 @@ CPUs pick a differently blocked kernel (another summation order), others do not;
 batch to 8 rows costs batch 1 about three times the linear time. So at load time each layer
 shape is probed once (`needs_padding`): small batches are padded only where the probe sees them
 computed differently.
+
+HalfPackedLinear holds a float32 model's logits projection as float16 in fbgemm's packed layout:
+float32 inputs, arithmetic and outputs (fbgemm widens each weight as it reads it), half the bytes
+per token. The head is the largest single read of a small model's decode step (the embedded
+model's float32 table is 113 MB against 53 MB for all of its int4 layers): batch 1 2.7 ms against
+6.0 ms, batch 8 4.0 ms against 11.6 ms, batch 32 even, 1.2x slower from 64 rows
+(bench/README.md). Only the weights round: float16 keeps 11 bits where bf16 keeps 8, and nothing
+rounds the output, so logits move by ~1e-3 (bf16 kernels round a logit of 20 to steps of 0.125).
+`half_packing_problem` checks at start-up that the build has the kernel and that it computes
+every row alike at every batch size; otherwise the head stays float32.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ BATCH_HINT = 32
 MIN_ROWS = 8
 # Batch sizes the probe compares against MIN_ROWS rows.
 PROBED_ROWS = (1, 2, 3, 5, 7)
+# Batch sizes (and row offsets) the float16 probe compares against one call over HALF_PROBE_ROWS rows.
+HALF_PROBED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 31, 33, 64)
+HALF_PROBE_ROWS = 96
 
 
 def prepacking_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -122,3 +135,50 @@ def prepack_linears(model: nn.Module) -> int:
     log.info("prepacked %d linear layers; batches under %d rows are padded for %s", replaced, MIN_ROWS,
              ", ".join(padded) or alike)  # fmt: skip
     return replaced
+
+
+class HalfPackedLinear(nn.Module):
+    """y = x @ W.T, x and y float32, W held as float16 in fbgemm's packed layout (no bias: the
+    logits projections it holds have none). See the module docstring for where it is used."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+        self.nbytes = weight.numel() * 2  # what one call reads (the opaque packed object has no size)
+        self._linear = torch.ops.quantized.linear_dynamic_fp16.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._linear(x, self.packed)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, float16 packed"
+
+
+def half_packing_problem(in_features: int) -> str | None:
+    """Why a float32 logits projection of `in_features` inputs cannot be held as HalfPackedLinear
+    here, or None: the build must have fbgemm's float16 kernel, and a row's result must be bitwise
+    the same whatever the batch size and the row's place in it (probed on random weights of this
+    width, with inputs whose sum depends on the order of summation, as `needs_padding` does)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this PyTorch build has no fbgemm (its float16 matmul)"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, in_features, generator=generator)
+    x = torch.randn(HALF_PROBE_ROWS, in_features, generator=generator)
+    quarter = in_features // 4
+    for row in range(0, HALF_PROBE_ROWS, 3):
+        order = torch.randperm(in_features, generator=generator)
+        x[row, order[:quarter]] = 2.0**25
+        x[row, order[quarter : 2 * quarter]] = -(2.0**25)
+    try:
+        layer = HalfPackedLinear(weight)
+        with torch.inference_mode():
+            reference = layer(x)
+            for rows in HALF_PROBED_ROWS:
+                for offset in (0, 1, HALF_PROBE_ROWS - rows):
+                    if not torch.equal(layer(x[offset : offset + rows]), reference[offset : offset + rows]):
+                        return f"fbgemm's float16 matmul computes a row differently at batch {rows}"
+    except RuntimeError as error:  # the op exists but this CPU or build cannot run it
+        return f"fbgemm's float16 matmul failed its check ({error})"
+    return None

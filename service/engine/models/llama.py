@@ -34,7 +34,7 @@ from service.engine.models.base import (
     LinearPart,
     LlamaStack,
 )
-from service.engine.models.cpu_linear import PackedLinear, prepack_linears
+from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear, prepack_linears
 from service.engine.models.llama_layers import LINEAR_ROLES, LlamaDecoderLayer, RMSNorm
 from service.engine.models.llama_weights import load_checkpoint
 from service.engine.models.quant import Int8Weight, QuantizedWeight
@@ -55,7 +55,7 @@ def _embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
         super().__init__()
-        # Float, or int8 once loaded where BuildOptions.int8_logits asks (LlamaForCausalLM._quantize_logits).
+        # Float, or int8 once loaded as BuildOptions.logits_format says (LlamaForCausalLM._quantize_logits).
         self.embed_tokens: nn.Embedding | Int8Embedding = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.fused_kernels)
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.int8_logits = options.int8_logits
+        self.logits_format = options.logits_format
         self.tp: Collectives | None = None
         self.vocab_start = 0  # this rank's first vocabulary row
         self.full_vocab_size = config.vocab_size
@@ -217,8 +217,10 @@ class LlamaForCausalLM(nn.Module):
         """
         target_device = device if device is not None else next(self.parameters()).device
         load_checkpoint(self, self.config, weights, target_device)
-        if self.int8_logits:
+        if self.logits_format == "int8":
             self._quantize_logits(target_device)
+        elif self.logits_format == "fp16":
+            self._half_logits()
         if self.rotary.cos_cached.is_meta:
             self.rotary.to_empty(device=target_device)
         self.rotary.reset_cache()
@@ -229,8 +231,15 @@ class LlamaForCausalLM(nn.Module):
         assert isinstance(embedding, nn.Embedding), "an int8 table comes with an Int8Linear lm_head"
         return embedding.weight
 
+    def _half_logits(self) -> None:
+        """The logits projection as float16 in fbgemm's packed layout (BuildOptions.logits_format
+        "fp16"), from the float32 weights just loaded; tied, the float table stays for lookups."""
+        untied = self.lm_head
+        assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is packed"
+        self.lm_head = HalfPackedLinear(self._float_table() if untied is None else untied.weight)
+
     def _quantize_logits(self, device: torch.device) -> None:
-        """The logits projection and the embedding as int8 (BuildOptions.int8_logits), from the
+        """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8"), from the
         float weights just loaded; tied, one int8 table serves both and the float one is freed.
         Per-row scales: each rank's vocab-parallel rows quantize as the whole table's would."""
         dtype, embedding, untied = self.activation_dtype, self.model.embed_tokens, self.lm_head
@@ -247,14 +256,17 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights one decode step reads (the embedding table only where it is the logits
         layer too): the numerator of achieved weight bandwidth."""
         tensors: dict[int, Tensor] = {}
+        packed_half = 0  # HalfPackedLinear's opaque weights, by their own count
         for module in self.modules():
             if isinstance(module, nn.Embedding | Int8Embedding | RotaryEmbedding):
                 continue
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if isinstance(module, PackedLinear):
                 own += [module.packed] + ([] if module.bias is None else [module.bias])
+            if isinstance(module, HalfPackedLinear):
+                packed_half += module.nbytes
             tensors.update((id(t), t) for t in own)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total = packed_half + sum(t.numel() * t.element_size() for t in tensors.values())
         if self.lm_head is None:  # tied float logits read the embedding table
             table = self._float_table()
             total += table.numel() * table.element_size()

@@ -67,7 +67,7 @@ def target_format(precision: str, role: str | None) -> str | None:
 
     The logits layer loads in the activation dtype under every precision (ModelOpt exports
     exclude lm_head too); on the CPU, weight-only int profiles with 16-bit activations then hold
-    it as int8 once the model is built (BuildOptions.int8_logits, NIM_INT8_LOGITS).
+    it in fewer bytes once the model is built (BuildOptions.logits_format, NIM_COMPACT_LOGITS).
     """
     if role != "layer" or precision in FLOAT_PRECISIONS:
         return None

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -18,6 +19,7 @@ from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
 from service.engine.models import quant_cache
 from service.engine.models.base import BuildOptions, CausalLM, TensorParallel
+from service.engine.models.cpu_linear import half_packing_problem
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
     build_model,
@@ -36,9 +38,9 @@ from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Reservations, budget, reserve
 from service.engine.torch.startup_checks import (
+    COMPACT_LOGITS_SETTING,
     FP8_SETTING,
     FUSED_SETTING,
-    INT8_LOGITS_SETTING,
     check_fp8_scaled_mm,
     check_fused_kernels,
     token_counts,
@@ -203,12 +205,12 @@ def load_rank(
         local_config = model_config if layout is None else layout.local_config()
         fused = _fused_path(local_config, config, dtype, device)  # checked before the model is built
         parallel = TensorParallel(ProcessGroupCollectives(), layout) if layout is not None else None
-        logits = _logits_path(config, device, dtype)
+        logits, logits_format = _logits_path(config, device, dtype, model_config.hidden_size)
         options = BuildOptions(
             tensor_parallel=parallel,
             fused_kernels=fused.used,
             prepack_cpu=True,
-            int8_logits=logits.used,
+            logits_format=logits_format,
             int_kernels_in_bf16=device.type == "cpu" and dtype == torch.float32,
         )
         if layout is None:
@@ -286,27 +288,39 @@ def _fp8_path(model: CausalLM, config: EngineConfig, mode: Mode) -> tuple[PathCh
                   f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s)"), mode  # fmt: skip
 
 
-def _logits_path(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> PathChoice:
-    """Whether the logits projection and the embedding are held as int8 (BuildOptions.int8_logits):
-    where the profile's layers are weight-only int, aten's int8 kernel runs natively (the CPU) and
-    the logits are computed in a 16-bit dtype anyway. Under fp32 activations the kernel (which
-    computes in bf16 there, BuildOptions.int_kernels_in_bf16) would round the logits to bf16 (steps of 0.125
-    at a logit of 20), which flips near-tied greedy tokens: the head stays float32 there."""
+def _logits_path(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, hidden_size: int
+) -> tuple[PathChoice, Literal["float", "int8", "fp16"]]:
+    """How the logits projection is held (BuildOptions.logits_format), and why. Where the
+    profile's layers are weight-only int on the CPU, in half the bytes of the activation dtype:
+    - bf16 activations: int8 with one scale per row, the embedding too (aten's int8 kernel; the
+      logits were computed in bf16 anyway);
+    - float32 activations: float16 through fbgemm, computed and returned in float32. Not int8:
+      aten's int8 kernel computes in bf16 there (BuildOptions.int_kernels_in_bf16) and would round
+      the logits to bf16 (steps of 0.125 at a logit of 20), which flips near-tied greedy tokens.
+      Only where a start-up probe finds the kernel and finds it batch-invariant."""
 
     def chosen(used: bool, reason: str) -> PathChoice:
-        return PathChoice("int8_logits", used, reason, INT8_LOGITS_SETTING)
+        return PathChoice("compact_logits", used, reason, COMPACT_LOGITS_SETTING)
 
     if not PRECISION_SPECS[config.precision].weight_only:
         return chosen(
             False, f"the profile's weights are {config.precision}: the logits stay in the activation dtype"
-        )
+        ), "float"
     if device.type != "cpu":
-        return chosen(False, "the CPU only (its int8 kernel); here the logits stay in the activation dtype")
-    if not config.int8_logits:
-        return chosen(False, f"off ({INT8_LOGITS_SETTING}): the logits stay in the activation dtype")
-    if dtype == torch.float32:
-        return chosen(False, "fp32 activations: the int8 kernel would round the logits to bf16; float32 here")
-    return chosen(True, "the logits projection and the embedding as int8, one scale per row")
+        return chosen(False, "the CPU only (its int8 and fbgemm kernels); here the logits stay in the "
+                      "activation dtype"), "float"  # fmt: skip
+    if not config.compact_logits:
+        off = f"off ({COMPACT_LOGITS_SETTING}): the logits stay in the activation dtype"
+        return chosen(False, off), "float"
+    if dtype != torch.float32:
+        return chosen(True, "the logits projection and the embedding as int8, one scale per row"), "int8"
+    problem = half_packing_problem(hidden_size)
+    if problem is not None:
+        log.warning("%s; the logits projection stays float32 (%s)", problem, COMPACT_LOGITS_SETTING)
+        return chosen(False, f"{problem}; the logits projection stays float32"), "float"
+    return chosen(True, "the logits projection as float16, computed in float32 (fbgemm; the embedding "
+                  "stays float32)"), "fp16"  # fmt: skip
 
 
 def _fused_path(

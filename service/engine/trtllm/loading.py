@@ -104,8 +104,8 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_UNIFIED_ATTENTION applies to the torch engine; unset it")
     if not config.fp8_scaled_mm:
         raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
-    if not config.int8_logits:
-        raise refuse("NIM_INT8_LOGITS applies to the torch engine; unset it")
+    if not config.compact_logits:
+        raise refuse("NIM_COMPACT_LOGITS applies to the torch engine; unset it")
     if config.speculative is not None:
         raise refuse(
             "NIM_SPECULATIVE_CONFIG / NIM_DRAFT_MODEL_PATH: speculative decoding is not passed to "
