@@ -292,7 +292,7 @@ def test_the_window_and_the_local_rope_change_the_answer(
     torch.testing.assert_close(full[:WINDOW], want[:WINDOW], atol=1e-4, rtol=1e-4)
 
 
-def test_linear_layers_by_role_and_no_llama_stack(checkpoint: Path) -> None:
+def test_linear_layers_by_role_and_its_own_stack(checkpoint: Path) -> None:
     model = _ours(checkpoint)
     roles = [(linear.layer, linear.role) for linear in model.linear_layers()]
     assert roles == [(i, r) for i in range(4) for r in ("qkv", "o", "gate_up", "down")]
@@ -303,7 +303,9 @@ def test_linear_layers_by_role_and_no_llama_stack(checkpoint: Path) -> None:
     replacement = torch.nn.Linear(qkv.in_features, sum(p.rows for p in qkv.parts))
     model.set_linear(0, "qkv", replacement)
     assert model.linear_layers()[0].module is replacement
-    assert model.llama_stack() is None  # the scripted CPU decode runs it eagerly
+    assert model.llama_stack() is None  # not Llama-shaped: the scripted CPU decode runs Gemma's stack
+    stack = model.gemma_stack()
+    assert stack.windows == [WINDOW, WINDOW, None, WINDOW] and len(stack.norms) == 16
 
 
 def test_int8_weights_quantized_at_load_keep_greedy_tokens(
@@ -479,7 +481,7 @@ def test_the_server_chats_with_gemmas_template(checkpoint: Path, tmp_path: Path)
     assert [vocab[entry.token] for entry in content] == expected
     assert bad.status_code == 400, bad.text
     assert "Conversation roles must alternate user/assistant/user/assistant/..." in bad.text
-    assert "CPU decode steps run eagerly: the model's layers are not the Llama shape" in log
+    assert "CPU decode steps run as one TorchScript call" in log
 
 
 def test_a_lora_adapter_answers_as_its_merged_weights(checkpoint: Path, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""CPU decode steps run as one TorchScript call (service/engine/torch/scripted_decode.py): its
-hidden states are bitwise those of the eager forward it stands in for, for every linear-layer kind
-and model variant it accepts; where it does not apply, decode steps run eagerly and the engine's
-decode path (service/engine/torch/decode_path.py, decided once at build) says why, once."""
+"""CPU decode steps run as one TorchScript call (service/engine/torch/scripted_decode.py, and
+scripted_gemma.py for Gemma 3): its hidden states are bitwise those of the eager forward it stands
+in for, for every linear-layer kind and model family it accepts; where it does not apply, decode
+steps run eagerly and the engine's decode path (service/engine/torch/decode_path.py, decided once at
+build) says why, once."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.serving import config_for
+from tests.test_model_gemma3 import _hf_config as gemma3_config
 from tests.test_quantization import _SMALL, _byte_level_tokenizer
 from tests.test_tensor_parallel import randomize
 
@@ -32,11 +34,14 @@ SMALL = {**_SMALL, "hidden_size": 128, "intermediate_size": 256}
 
 
 def _checkpoint(directory: Path, architecture: str) -> Path:
-    """A random checkpoint: Llama with biases on every projection, or Qwen3 (q/k norms)."""
+    """A random checkpoint: Llama with biases on every projection, Qwen3 (q/k norms), or Gemma 3
+    (windows of 8 tokens on three of four layers, two RoPE tables, its norms and GeGLU)."""
     if architecture == "llama-bias":
         config: transformers.PretrainedConfig = transformers.LlamaConfig(
             **SMALL, attention_bias=True, mlp_bias=True
         )
+    elif architecture == "gemma3":
+        config = gemma3_config(hidden_size=128, intermediate_size=256, head_dim=32)
     else:
         config = transformers.Qwen3Config(**SMALL, head_dim=32)
     torch.manual_seed(0)
@@ -104,7 +109,7 @@ def _assert_bitwise_alike(engine: TorchEngine) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("scripted")
-    return {name: _checkpoint(root / name, name) for name in ("llama-bias", "qwen3")}
+    return {name: _checkpoint(root / name, name) for name in ("llama-bias", "qwen3", "gemma3")}
 
 
 @pytest.mark.parametrize(
@@ -114,6 +119,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("llama-bias", "fp32"),
         ("qwen3", "int8_wo"),
         ("qwen3", "int4_wo"),
+        ("gemma3", "fp32"),
+        ("gemma3", "int4_wo"),
     ],
 )
 def test_scripted_decode_matches_eager_bitwise(

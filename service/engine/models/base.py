@@ -89,6 +89,25 @@ class LlamaStack:
     final_norm: Tensor
 
 
+@dataclass(frozen=True)
+class GemmaStack:
+    """What the scripted CPU decode needs of a Gemma 3 stack (models/gemma3.py): Gemma RMSNorms
+    (their weights held as 1 + w in float32, as GemmaRMSNorm multiplies) before and after each
+    sublayer and on q and k, a GeGLU MLP of fused gate_up, the embedding scaled, and
+    sliding-window layers rotating with their own RoPE table. The linears come from
+    `CausalLM.linear_layers`."""
+
+    embedding: nn.Module  # token ids [T] -> [T, hidden], before the scale
+    embedding_scale: float  # sqrt(hidden_size), rounded to the activation dtype
+    rope_tables: Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]  # full-attention layers
+    local_rope_tables: Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]  # sliding-window layers
+    windows: Sequence[int | None]  # per layer: its window (None: full attention)
+    norms: Sequence[Tensor]  # per layer: input, post-attention, pre-feedforward, post-feedforward
+    qk_norms: Sequence[Tensor]  # per layer: q, k
+    final_norm: Tensor
+    attention_scale: float | None  # None: PagedAttention's own, 1 / sqrt(head_dim)
+
+
 class CausalLM(Protocol):
     """A decoder-only language model over a flat token batch; it holds no KV state."""
 
@@ -140,6 +159,15 @@ class CausalLM(Protocol):
     def eval(self) -> Self: ...
 
     def requires_grad_(self, requires_grad: bool = True) -> Self: ...
+
+
+@runtime_checkable
+class HasGemmaStack(Protocol):
+    """A Gemma 3 model (the scripted CPU decode runs its stack)."""
+
+    def gemma_stack(self) -> GemmaStack:
+        """This model's tensors as the scripted decode takes them."""
+        ...
 
 
 @runtime_checkable

@@ -16,8 +16,8 @@ Gemma's differences, following transformers' Gemma3 code operation for operation
 - tied embeddings: the logits are the embedding matrix's.
 
 Logit and attention soft-capping (Gemma 2) and bidirectional attention are refused when the config
-is read (config.py). The scripted CPU decode runs only Llama-shaped stacks: `llama_stack` is None,
-so CPU decode steps run eagerly (the engine logs why).
+is read (config.py). CPU decode steps run as one TorchScript call of Gemma's own stack
+(`gemma_stack`, service.engine.torch.scripted_gemma), bitwise this forward.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.models.attention import Attention
-from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
+from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, GemmaStack
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.llama_layers import LlamaAttention, LlamaMLP, Reduce, all_reduce_of
 from service.engine.models.quant import QuantizedWeight
@@ -154,8 +154,40 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return cast(GemmaRMSNorm, self.model.norm)
 
     def llama_stack(self) -> None:  # type: ignore[override]
-        """None: Gemma's norms, GeGLU and windows are not the Llama shape the scripted CPU decode runs."""
+        """None: Gemma's norms, GeGLU and windows are not the Llama shape (`gemma_stack` is)."""
         return None
+
+    def gemma_stack(self) -> GemmaStack:
+        def plus_one(norm: GemmaRMSNorm) -> Tensor:  # what GemmaRMSNorm multiplies by, once
+            return 1.0 + norm.weight.float()
+
+        layers = self._gemma_layers()
+        norms = [
+            plus_one(norm)
+            for layer in layers
+            for norm in (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+            )
+        ]
+        qk_norms = [
+            plus_one(cast(GemmaRMSNorm, norm))
+            for layer in layers
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+        ]
+        return GemmaStack(
+            embedding=self.model.embed_tokens,
+            embedding_scale=_embedding_scale(self.config.hidden_size, self.activation_dtype),
+            rope_tables=self.rotary.lookup_full,
+            local_rope_tables=self.local_rotary.lookup_full,
+            windows=[layer.self_attn.window for layer in layers],
+            norms=norms,
+            qk_norms=qk_norms,
+            final_norm=plus_one(self._final_norm()),
+            attention_scale=self.config.attention_scale,
+        )
 
     @torch.no_grad()
     def load_weights(

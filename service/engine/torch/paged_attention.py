@@ -103,6 +103,15 @@ class AttentionMetadata:
     unified: UnifiedStep | None = None
 
 
+def windowed_decode_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode mask [B, 1, 1, L] (0 over each request's context, a prefix of its row) narrowed to
+    each request's last `window` keys."""
+    visible = mask == 0
+    lens = visible.sum(dim=-1, keepdim=True)
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return mask.masked_fill(positions < lens - window, float("-inf"))
+
+
 class PagedAttention:
     def __init__(self, pool: KVPool, meta: AttentionMetadata, num_heads: int, head_dim: int) -> None:
         self.pool = pool
@@ -191,10 +200,7 @@ class PagedAttention:
         """The step's decode mask [B, 1, 1, L] narrowed to each request's last `window` keys."""
         key = (-1, window)
         if key not in self._windowed:
-            visible = mask == 0  # a prefix [0, context length) of each row
-            lens = visible.sum(dim=-1, keepdim=True)
-            positions = torch.arange(mask.shape[-1], device=mask.device)
-            self._windowed[key] = mask.masked_fill(positions < lens - window, float("-inf"))
+            self._windowed[key] = windowed_decode_mask(mask, window)
         return self._windowed[key]
 
     def _prefill_window(self, index: int, chunk: PrefillChunk, window: int) -> torch.Tensor:

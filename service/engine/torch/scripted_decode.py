@@ -8,11 +8,16 @@ TorchScript interpreter dispatches the same ATen ops from C++ (and without the G
 thread runs beside it). At batch 1 this takes 20-40% off the step, depending on the run
 (bench/README.md).
 
+Two stacks: `_decode_stack` here for Llama-shaped models (Llama, Qwen, Mistral: LlamaStack) and
+scripted_gemma.py's for Gemma 3 (GemmaStack), both built of scripted_ops.py's linear, RoPE and
+attention. MoE models decode eagerly (their routing is not scripted).
+
 Invariant: the scripted stack calls the same ops, in the same order, on the same tensors as the
-eager path (LlamaDecoderLayer and its linears, KVPool.write / gather_pair / run_pair and
-PagedAttention._decode), so its hidden states are bitwise the eager ones: batch invariance and the
-numerics against transformers hold unchanged (tests/test_scripted_decode.py holds the two
-together; a change to either side must keep it). Steps with prefill chunks run eagerly.
+eager path (LlamaDecoderLayer or Gemma3DecoderLayer and their linears, KVPool.write /
+gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
+ones: batch invariance and the numerics against transformers hold unchanged
+(tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
+Steps with prefill chunks run eagerly.
 
 Where it does not apply the engine runs decode steps eagerly and says why once at start-up:
 tensor parallelism, LoRA, a quantized KV cache, or a linear layer other than the CPU's native
@@ -24,93 +29,21 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models.base import CausalLM, HasLlamaStack
-from service.engine.models.cpu_linear import MIN_ROWS, PackedLinear
+from service.engine.models.base import CausalLM, GemmaStack, HasGemmaStack, HasLlamaStack, LlamaStack
 from service.engine.models.lora_ops import AdaptedLinear
-from service.engine.models.quant_linear import Int4Linear, Int8Linear
 from service.engine.torch.kv_pool import KVPool
-from service.engine.torch.paged_attention import AttentionMetadata
-
-# How a linear layer computes, as the scripted stack branches on it (each mirrors its module's forward).
-FLOAT: Final = 0  # nn.Linear: F.linear
-PACKED: Final = 1  # PackedLinear: oneDNN's packed matmul, small batches padded where it says so
-INT4: Final = 2  # Int4Linear (native): aten's CPU int4 kernel, padded output rows cut
-INT8: Final = 3  # Int8Linear (native): aten's int8 weight-only kernel
+from service.engine.torch.paged_attention import AttentionMetadata, windowed_decode_mask
+from service.engine.torch.scripted_gemma import scripted_gemma_stack, window_of
+from service.engine.torch.scripted_ops import LinearArgs, attend, linear, linear_args, rotate_
 
 # The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
 _ROLES = ("qkv", "o", "gate_up", "down")
-
-
-@dataclass(frozen=True)
-class LinearArgs:
-    """One linear layer as the scripted stack takes it."""
-
-    kind: int
-    weight: Tensor  # the weight as the kernel takes it (packed for PACKED and INT4)
-    aux: Tensor  # INT4: scales and zeros; INT8: scales; else an empty tensor
-    bias: Tensor | None
-    group: int  # INT4: the group size; else 0
-    out_features: int
-    pad_rows: int  # PACKED: batches of fewer rows are padded to this many; else 0
-
-
-def linear_args(module: nn.Module) -> LinearArgs | None:
-    """`module` as the scripted stack runs it; None where only its own forward can."""
-    none = torch.empty(0)
-    if isinstance(module, Int4Linear) and module.native:
-        return LinearArgs(
-            INT4, module.packed, module.scales_zeros, module.bias, module.group_size, module.out_features, 0
-        )
-    if isinstance(module, Int8Linear) and module.native:
-        return LinearArgs(INT8, module.q, module.scale, module.bias, 0, module.out_features, 0)
-    if isinstance(module, PackedLinear):
-        pad = MIN_ROWS if module.pad_small else 0
-        return LinearArgs(PACKED, module.packed, none, module.bias, 0, module.out_features, pad)
-    if type(module) is nn.Linear:
-        return LinearArgs(FLOAT, module.weight, none, module.bias, 0, module.out_features, 0)
-    return None
-
-
-def _linear(
-    x: Tensor,
-    kind: int,
-    weight: Tensor,
-    aux: Tensor,
-    bias: Tensor | None,
-    group: int,
-    out_features: int,
-    pad_rows: int,
-) -> Tensor:
-    if kind == 2:  # INT4, as Int4Linear.forward (the kernel computes in its scales' dtype)
-        out = torch._weight_int4pack_mm_for_cpu(x.to(aux.dtype), weight, group, aux).to(x.dtype)
-        if out.shape[-1] != out_features:
-            out = out[..., :out_features]
-        return out if bias is None else out + bias
-    if kind == 3:  # INT8, as Int8Linear.forward
-        out = torch._weight_int8pack_mm(x.to(aux.dtype), weight, aux).to(x.dtype)
-        return out if bias is None else out + bias
-    if kind == 1:  # PACKED, as PackedLinear.forward
-        rows = x.shape[0]
-        if rows < pad_rows:
-            padded = torch.cat([x, x.new_zeros(pad_rows - rows, x.shape[1])])
-            packed: Tensor = torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")
-            return packed[:rows]
-        packed = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return packed
-    return F.linear(x, weight, bias)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """TableRope, in place."""
-    rotated = x.roll(x.shape[-1] // 2, -1).mul_(sin)
-    return x.mul_(cos).add_(rotated)
 
 
 def _decode_stack(
@@ -152,7 +85,7 @@ def _decode_stack(
         residual = hidden if layer == 0 else hidden + residual
         normed = norms[2 * layer] * torch.rms_norm(residual, [width], None, eps)
         i = 4 * layer
-        qkv = _linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+        qkv = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         v = qkv[:, q_size + kv_size :].view(batch, num_kv_heads, head_dim)
         if len(qk_norms) > 0:
             q = qk_norms[2 * layer] * torch.rms_norm(
@@ -161,45 +94,29 @@ def _decode_stack(
             k = qk_norms[2 * layer + 1] * torch.rms_norm(
                 qkv[:, q_size : q_size + kv_size].view(batch, num_kv_heads, head_dim), [head_dim], None, eps
             )
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+            q = rotate_(q, cos, sin)
+            k = rotate_(k, cos, sin)
         else:
-            qk = _rope(qkv[:, : q_size + kv_size].view(batch, num_heads + num_kv_heads, head_dim), cos, sin)
+            qk = rotate_(qkv[:, : q_size + kv_size].view(batch, num_heads + num_kv_heads, head_dim), cos, sin)
             split = qk.split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
             q, k = split[0], split[1]
-        # KVPool.write (a cache in the activations' dtype), then PagedAttention._decode.
-        data = pools[layer].view(2, num_kv_heads, -1, head_dim)
-        data[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
-        if block_ids is None:
-            both = (
-                pools[layer]
-                .view(2, num_kv_heads, -1, block_size, head_dim)[:, :, run_first : run_first + run_count]
-                .reshape(2, num_kv_heads, run_count * block_size, head_dim)
-            )
-        else:
-            both = pools[layer].view(-1, block_size, head_dim).index_select(0, block_ids)
-            both = both.view(2, num_kv_heads, -1, head_dim)
-        kv = both.view(2, num_kv_heads, batch, mask.shape[-1], head_dim).transpose(1, 2).unbind(0)
-        queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale)
+        out = attend(q, k, v, pools[layer], slots, mask, block_ids, run_first, run_count, block_size, scale)
         i += 1
-        attended = _linear(
-            out.reshape(batch, q_size), kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i]
-        )
+        attended = linear(out, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         residual = attended + residual
         normed = norms[2 * layer + 1] * torch.rms_norm(residual, [width], None, eps)
         i += 1
-        gate_up = _linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+        gate_up = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         i += 1
-        hidden = _linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+        hidden = linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
     summed = hidden + residual
     return final_norm * torch.rms_norm(summed, [width], None, eps)
 
 
 @functools.cache
 def _scripted_stack() -> Any:
-    """`_decode_stack` compiled by TorchScript (once a process, with `_linear` and `_rope`).
+    """`_decode_stack` compiled by TorchScript (once a process, with scripted_ops' functions).
 
     torch.jit.script warns that it is deprecated in favour of torch.compile; on this path
     torch.compile measured slower (its int4 kernel swap and per-call wrappers, bench/README.md)
@@ -211,17 +128,17 @@ def _scripted_stack() -> Any:
 
 
 class ScriptedDecoder:
-    """Runs a decode-only step's decoder layers as one `_decode_stack` call (see the module docstring)."""
+    """Runs a decode-only step's decoder layers as one scripted call (see the module docstring):
+    `_decode_stack` for a Llama-shaped model, scripted_gemma's stack for Gemma 3."""
 
-    def __init__(self, model: CausalLM, pool: KVPool, layers: list[list[LinearArgs]]) -> None:
+    def __init__(
+        self, model: CausalLM, pool: KVPool, layers: list[list[LinearArgs]], stack: LlamaStack | GemmaStack
+    ) -> None:
         self.model = model
         self.pool = pool
         config = model.config
-        stack = model.llama_stack() if isinstance(model, HasLlamaStack) else None
-        assert stack is not None, "build() decodes eagerly where the model is shaped otherwise"
         self._stack = stack
-        self._norms: list[Tensor] = list(stack.norms)  # per layer: input, post-attention
-        self._qk_norms: list[Tensor] = list(stack.qk_norms)  # per layer: q, k (empty: none)
+        self._window = window_of(stack) if isinstance(stack, GemmaStack) else None
         flat = [args for layer in layers for args in layer]
         self._linears: tuple[Any, ...] = (
             [a.kind for a in flat],
@@ -232,23 +149,25 @@ class ScriptedDecoder:
             [a.out_features for a in flat],
             [a.pad_rows for a in flat],
         )
+        scale = stack.attention_scale if isinstance(stack, GemmaStack) else None
         self._dims = (
             config.num_heads,
             config.num_kv_heads,
             config.head_dim,
             config.intermediate_size,
             config.rms_norm_eps,
-            1.0 / math.sqrt(config.head_dim),  # PagedAttention's scale
+            1.0 / math.sqrt(config.head_dim) if scale is None else scale,  # None: PagedAttention's
         )
 
     @classmethod
     def build(cls, model: CausalLM, pool: KVPool) -> ScriptedDecoder | str:
         """The decoder for `model` over `pool`, or why decode steps must run eagerly (the engine's
         decode path, service.engine.torch.decode_path, logs which)."""
-        reason = cls._unsupported(model, pool)
+        stack = _stack_of(model)
+        reason = cls._unsupported(model, pool, stack)
         by_layer: dict[int, dict[str, nn.Module]] = {}
-        for linear in model.linear_layers() if reason is None else []:
-            by_layer.setdefault(linear.layer, {})[linear.role] = linear.module
+        for layer in model.linear_layers() if reason is None else []:
+            by_layer.setdefault(layer.layer, {})[layer.role] = layer.module
         layers: list[list[LinearArgs]] = []
         for index, roles in by_layer.items():
             modules = {role: roles[role] for role in _ROLES}
@@ -261,17 +180,23 @@ class ScriptedDecoder:
             layers.append([args for args in found.values() if args is not None])
         if reason is None:
             try:
-                _scripted_stack()
+                _scripted_stack() if isinstance(stack, LlamaStack) else scripted_gemma_stack()
             except Exception as error:  # a TorchScript that cannot compile it: eager still runs
                 reason = f"TorchScript cannot compile the step ({type(error).__name__}: {error})"
         if reason is not None:
             return reason
-        return cls(model, pool, layers)
+        assert stack is not None, "_unsupported refuses a model without one"
+        return cls(model, pool, layers, stack)
 
     @staticmethod
-    def _unsupported(model: CausalLM, pool: KVPool) -> str | None:
-        if not isinstance(model, HasLlamaStack) or model.llama_stack() is None:
-            return "the model's layers are not the Llama shape the scripted stack runs"
+    def _unsupported(model: CausalLM, pool: KVPool, stack: LlamaStack | GemmaStack | None) -> str | None:
+        if stack is None:
+            return "the model's layers are not a shape the scripted stacks run (Llama, Gemma 3)"
+        if isinstance(stack, GemmaStack):
+            try:
+                window_of(stack)
+            except ValueError as error:
+                return str(error)
         if pool.scales is not None:
             return f"the {pool.spec.cache_dtype} KV cache is dequantized by the eager path"
         dtype = model.activation_dtype
@@ -279,7 +204,7 @@ class ScriptedDecoder:
             return f"the KV cache holds {pool.data[0].dtype}, the activations are {dtype}"
         if model.tensor_parallel:
             return "tensor parallelism all-reduces between the layers"
-        if any(isinstance(linear.module, AdaptedLinear) for linear in model.linear_layers()):
+        if any(isinstance(layer.module, AdaptedLinear) for layer in model.linear_layers()):
             return "LoRA adapters wrap the projections"
         if model.device.type != "cpu":
             return "the model is not on the CPU"
@@ -295,25 +220,35 @@ class ScriptedDecoder:
         bitwise `model(input_ids, positions, PagedAttention(pool, meta, ...))`."""
         assert self.can_run(meta) and meta.decode_mask is not None
         stack = self._stack
-        hidden = stack.embedding(input_ids)
-        cos, sin = stack.rope_tables(positions, hidden.dtype)
         run = meta.decode_block_run
         first, count = run if run is not None else (0, 0)
-        result: Tensor = _scripted_stack()(
-            hidden,
-            cos,
-            sin,
-            meta.slot_mapping,
-            meta.decode_mask,
-            self.pool.data,
-            meta.decode_block_ids if run is None else None,
-            first,
-            count,
-            self.pool.spec.block_size,
-            self._norms,
-            self._qk_norms,
-            *self._linears,
-            stack.final_norm,
-            *self._dims,
-        )
-        return result
+        block_ids = meta.decode_block_ids if run is None else None
+        cache = (self.pool.data, block_ids, first, count, self.pool.spec.block_size)
+        hidden = stack.embedding(input_ids)
+        if isinstance(stack, LlamaStack):
+            cos, sin = stack.rope_tables(positions, hidden.dtype)
+            llama: Tensor = _scripted_stack()(
+                hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, list(stack.norms),
+                list(stack.qk_norms), *self._linears, stack.final_norm, *self._dims,
+            )  # fmt: skip
+            return llama
+        # Gemma3ForCausalLM.forward: the scaled embedding, two RoPE tables, a mask per window.
+        hidden = hidden * stack.embedding_scale
+        cos, sin = stack.rope_tables(positions, hidden.dtype)
+        local_cos, local_sin = stack.local_rope_tables(positions, hidden.dtype)
+        mask = meta.decode_mask
+        window_mask = mask if self._window is None else windowed_decode_mask(mask, self._window)
+        windowed = [window is not None for window in stack.windows]
+        gemma: Tensor = scripted_gemma_stack()(
+            hidden, cos, sin, local_cos, local_sin, meta.slot_mapping, mask, window_mask, windowed,
+            *cache, list(stack.norms), list(stack.qk_norms), *self._linears, stack.final_norm, *self._dims,
+        )  # fmt: skip
+        return gemma
+
+
+def _stack_of(model: CausalLM) -> LlamaStack | GemmaStack | None:
+    if isinstance(model, HasGemmaStack):
+        return model.gemma_stack()
+    if isinstance(model, HasLlamaStack):
+        return model.llama_stack()
+    return None
