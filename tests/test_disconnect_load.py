@@ -27,7 +27,9 @@ CONCURRENCY = 10
 PENDING_LIMIT = 16  # admission slots: the load, plus slack for disconnects not yet noticed
 COMPLETE_TOKENS = 24  # clients that read to the end
 DISCONNECT_TOKENS = 256  # clients that hang up: still generating when they do
-LOAD_TIMEOUT_S = 60
+# A hang catcher, not a speed claim: the load takes ~11 s on an idle 2-core host and ~45 s with
+# two busy processes beside it (CI hosts are shared).
+LOAD_TIMEOUT_S = 150
 PROMPTS = ["Once upon a time", "The capital of France is", "List three colours:", "def fibonacci(n):"]
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -173,7 +175,7 @@ def wait_idle(base_url: str, timeout: float = 15) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_disconnects_under_load_free_everything(load_server: ServerProcess) -> None:
     base_url = load_server.base_url
     log_start = len(load_server.log())
