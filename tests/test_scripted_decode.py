@@ -26,6 +26,7 @@ from service.engine.torch.paged_attention import AttentionMetadata, PagedAttenti
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.serving import config_for
 from tests.test_model_gemma3 import _hf_config as gemma3_config
+from tests.test_model_moe import _hf_model as moe_model
 from tests.test_quantization import _SMALL, _byte_level_tokenizer
 from tests.test_tensor_parallel import randomize
 
@@ -34,14 +35,20 @@ SMALL = {**_SMALL, "hidden_size": 128, "intermediate_size": 256}
 
 
 def _checkpoint(directory: Path, architecture: str) -> Path:
-    """A random checkpoint: Llama with biases on every projection, Qwen3 (q/k norms), or Gemma 3
-    (windows of 8 tokens on three of four layers, two RoPE tables, its norms and GeGLU)."""
+    """A random checkpoint: Llama with biases on every projection, Qwen3 (q/k norms), Gemma 3
+    (windows of 8 tokens on three of four layers, two RoPE tables, its norms and GeGLU), or a
+    mixture of experts (tests/test_model_moe.py's)."""
     if architecture == "llama-bias":
         config: transformers.PretrainedConfig = transformers.LlamaConfig(
             **SMALL, attention_bias=True, mlp_bias=True
         )
     elif architecture == "gemma3":
         config = gemma3_config(hidden_size=128, intermediate_size=256, head_dim=32)
+    elif architecture in ("qwen3_moe", "mixtral"):
+        model = moe_model(architecture)  # Qwen3-MoE with a dense layer between routed ones
+        model.save_pretrained(directory)
+        _byte_level_tokenizer(directory)
+        return directory
     else:
         config = transformers.Qwen3Config(**SMALL, head_dim=32)
     torch.manual_seed(0)
@@ -109,7 +116,8 @@ def _assert_bitwise_alike(engine: TorchEngine) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("scripted")
-    return {name: _checkpoint(root / name, name) for name in ("llama-bias", "qwen3", "gemma3")}
+    names = ("llama-bias", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+    return {name: _checkpoint(root / name, name) for name in names}
 
 
 @pytest.mark.parametrize(
@@ -121,6 +129,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("qwen3", "int4_wo"),
         ("gemma3", "fp32"),
         ("gemma3", "int4_wo"),
+        ("qwen3_moe", "fp32"),  # float experts: views of the stacked weights
+        ("mixtral", "int4_wo"),  # quantized experts: one int4 layer each
     ],
 )
 def test_scripted_decode_matches_eager_bitwise(

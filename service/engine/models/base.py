@@ -76,17 +76,31 @@ class LinearLayer:
 
 
 @dataclass(frozen=True)
+class RoutedMlp:
+    """A routed layer's MLP (models/moe.py's SparseMoeBlock) as code that runs it itself takes it:
+    a router, then each token's `top_k` experts' SiLU-gated MLPs, weighted and summed. The sizes
+    shared by every routed layer (experts, top-k, their width, renormalising) are the config's."""
+
+    router: nn.Module  # [T, hidden] -> [T, num_experts] logits
+    # Per expert: its fused gate_up and its down layer, a module (quantized) or the float weight
+    # [rows, inputs] that F.linear takes.
+    gate_up: Sequence[nn.Module | Tensor]
+    down: Sequence[nn.Module | Tensor]
+
+
+@dataclass(frozen=True)
 class LlamaStack:
     """What code that runs a Llama-shaped decoder stack itself needs (the scripted CPU decode):
     pre-norm layers of fused qkv attention (optional per-head q/k RMSNorm, rotate-half RoPE) and a
-    SiLU-gated MLP of fused gate_up, RMSNorm with one eps throughout. The linears come from
-    `CausalLM.linear_layers`."""
+    SiLU-gated MLP of fused gate_up, or a routed MLP (`routed`), RMSNorm with one eps throughout.
+    The other linears come from `CausalLM.linear_layers`."""
 
     embedding: nn.Module  # token ids [T] -> [T, hidden]
     rope_tables: Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]  # RotaryEmbedding.lookup_full
     norms: Sequence[Tensor]  # per layer: input, post-attention
     qk_norms: Sequence[Tensor]  # per layer: q, k (empty: the model has none)
     final_norm: Tensor
+    routed: Sequence[RoutedMlp | None] = ()  # per layer (empty: every layer's MLP is dense)
 
 
 @dataclass(frozen=True)

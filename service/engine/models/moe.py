@@ -22,20 +22,22 @@ Under tensor parallelism (service.engine.models.tensor_parallel) each expert is 
 intermediate dimension: a rank holds every expert's gate/up rows and down columns of its share,
 routes every token itself (the router is replicated) and one all-reduce of the weighted routed sum
 completes the layer. LoRA adapts the attention projections only (`linear_layers` names no expert).
-The scripted CPU decode runs these models eagerly (`llama_stack` is None).
+The scripted CPU decode runs them too (`llama_stack` names each routed layer's router and
+experts; scripted_decode.py routes as `SparseMoeBlock` and `Experts.grouped` do, op for op).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM
+from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, LlamaStack, RoutedMlp
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.llama_layers import Reduce, all_reduce_of
 from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
@@ -205,9 +207,23 @@ class MoeForCausalLM(LlamaForCausalLM):
         router and the experts are no `CausalLM.linear_layers` role)."""
         return ("qkv", "o") if layer in self.config.sparse_layers else super()._linear_roles(layer)
 
-    def llama_stack(self) -> None:  # type: ignore[override]
-        """None: the routed layers are not the Llama shape the scripted CPU decode runs."""
-        return None
+    def llama_stack(self) -> LlamaStack:
+        """The Llama stack with each routed layer's router and experts (float: views of the
+        stacked weights, as `Experts.expert` reads them; quantized: their layers)."""
+        routed: list[RoutedMlp | None] = []
+        for layer in self.model.decoder_layers():
+            block = layer.mlp
+            if not isinstance(block, SparseMoeBlock):
+                routed.append(None)
+                continue
+            experts = block.experts
+            if experts.gate_up_layers is None or experts.down_layers is None:
+                gate_up: list[nn.Module | Tensor] = list(experts.gate_up_proj.detach().unbind(0))
+                down: list[nn.Module | Tensor] = list(experts.down_proj.detach().unbind(0))
+            else:
+                gate_up, down = list(experts.gate_up_layers), list(experts.down_layers)
+            routed.append(RoutedMlp(block.gate, gate_up, down))
+        return replace(super().llama_stack(), routed=routed)
 
     @torch.no_grad()
     def load_weights(

@@ -8,12 +8,12 @@ TorchScript interpreter dispatches the same ATen ops from C++ (and without the G
 thread runs beside it). At batch 1 this takes 20-40% off the step, depending on the run
 (bench/README.md).
 
-Two stacks: `_decode_stack` here for Llama-shaped models (Llama, Qwen, Mistral: LlamaStack) and
-scripted_gemma.py's for Gemma 3 (GemmaStack), both built of scripted_ops.py's linear, RoPE and
-attention. MoE models decode eagerly (their routing is not scripted).
+Two stacks: `_decode_stack` here for Llama-shaped models (Llama, Qwen, Mistral: LlamaStack),
+routed layers included (Qwen3-MoE, Mixtral: `_routed_mlp`), and scripted_gemma.py's for Gemma 3
+(GemmaStack), both built of scripted_ops.py's linear, RoPE and attention.
 
 Invariant: the scripted stack calls the same ops, in the same order, on the same tensors as the
-eager path (LlamaDecoderLayer or Gemma3DecoderLayer and their linears, KVPool.write /
+eager path (LlamaDecoderLayer, SparseMoeBlock or Gemma3DecoderLayer and their linears, KVPool.write /
 gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
 ones: batch invariance and the numerics against transformers hold unchanged
 (tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
@@ -40,10 +40,59 @@ from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata, windowed_decode_mask
 from service.engine.torch.scripted_gemma import scripted_gemma_stack, window_of
-from service.engine.torch.scripted_ops import LinearArgs, attend, linear, linear_args, rotate_
+from service.engine.torch.scripted_ops import FLOAT, LinearArgs, attend, linear, linear_args, rotate_
 
 # The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
 _ROLES = ("qkv", "o", "gate_up", "down")
+
+
+def _routed_mlp(
+    x: Tensor,  # [T, hidden]
+    router: int,  # the index of the router's linear; expert e's gate_up and down follow at 2e + 1, 2e + 2
+    kinds: list[int],
+    weights: list[Tensor],
+    auxes: list[Tensor],
+    biases: list[Tensor | None],
+    groups: list[int],
+    outs: list[int],
+    pads: list[int],
+    num_experts: int,
+    top_k: int,
+    intermediate: int,
+    normalize: bool,
+) -> Tensor:
+    """SparseMoeBlock.forward with Experts.grouped (models/moe.py), op for op: each (token, choice)
+    a row, the rows sorted by expert, one matmul per expert with rows."""
+    i = router
+    logits = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    chosen, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    chosen = chosen.to(x.dtype)
+    tokens = x.shape[0]
+    expanded = x.repeat_interleave(top_k, dim=0)
+    ids = expert_ids.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    counts: list[int] = torch.bincount(ids, minlength=num_experts).tolist()
+    grouped = expanded[order]
+    out = torch.empty_like(expanded)
+    start = 0
+    for expert in range(num_experts):
+        count = counts[expert]
+        if count == 0:
+            continue
+        i = router + 1 + 2 * expert
+        rows = grouped[start : start + count]
+        gate_up = linear(rows, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+        activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        i += 1
+        out[order[start : start + count]] = linear(
+            activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i]
+        )
+        start += count
+    weighted = out * chosen.reshape(-1, 1)
+    return weighted.view(tokens, top_k, -1).sum(dim=1)
 
 
 def _decode_stack(
@@ -59,8 +108,10 @@ def _decode_stack(
     block_size: int,
     norms: list[Tensor],  # per layer: input, post-attention
     qk_norms: list[Tensor],  # per layer: q, k (empty: the model has none)
-    kinds: list[int],  # per layer: qkv, o, gate_up, down (LinearArgs, field by field)
-    weights: list[Tensor],
+    firsts: list[int],  # per layer: the index of its first linear in the lists below
+    routed: list[bool],  # per layer: whether its MLP is routed
+    kinds: list[int],  # per layer: qkv, o, then gate_up, down (dense) or the router and each
+    weights: list[Tensor],  # expert's gate_up, down (routed) (LinearArgs, field by field)
     auxes: list[Tensor],
     biases: list[Tensor | None],
     groups: list[int],
@@ -73,6 +124,10 @@ def _decode_stack(
     intermediate: int,
     eps: float,
     scale: float,
+    num_experts: int,
+    top_k: int,
+    expert_intermediate: int,
+    normalize: bool,  # norm_topk_prob
 ) -> Tensor:
     batch = hidden.shape[0]
     width = hidden.shape[1]
@@ -84,7 +139,7 @@ def _decode_stack(
         # LlamaDecoderLayer: the residual connection is added by the next norm.
         residual = hidden if layer == 0 else hidden + residual
         normed = norms[2 * layer] * torch.rms_norm(residual, [width], None, eps)
-        i = 4 * layer
+        i = firsts[layer]
         qkv = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         v = qkv[:, q_size + kv_size :].view(batch, num_kv_heads, head_dim)
         if len(qk_norms) > 0:
@@ -106,6 +161,12 @@ def _decode_stack(
         residual = attended + residual
         normed = norms[2 * layer + 1] * torch.rms_norm(residual, [width], None, eps)
         i += 1
+        if routed[layer]:
+            hidden = _routed_mlp(
+                normed, i, kinds, weights, auxes, biases, groups, outs, pads,
+                num_experts, top_k, expert_intermediate, normalize,
+            )  # fmt: skip
+            continue
         gate_up = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         i += 1
@@ -140,6 +201,9 @@ class ScriptedDecoder:
         self._stack = stack
         self._window = window_of(stack) if isinstance(stack, GemmaStack) else None
         flat = [args for layer in layers for args in layer]
+        firsts = [sum(len(layer) for layer in layers[:index]) for index in range(len(layers))]
+        routed = list(stack.routed) if isinstance(stack, LlamaStack) else []
+        self._routing = (firsts, [mlp is not None for mlp in routed] or [False] * len(layers))
         self._linears: tuple[Any, ...] = (
             [a.kind for a in flat],
             [a.weight for a in flat],
@@ -158,6 +222,12 @@ class ScriptedDecoder:
             config.rms_norm_eps,
             1.0 / math.sqrt(config.head_dim) if scale is None else scale,  # None: PagedAttention's
         )
+        self._experts = (
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.norm_topk_prob,
+        )
 
     @classmethod
     def build(cls, model: CausalLM, pool: KVPool) -> ScriptedDecoder | str:
@@ -165,13 +235,19 @@ class ScriptedDecoder:
         decode path, service.engine.torch.decode_path, logs which)."""
         stack = _stack_of(model)
         reason = cls._unsupported(model, pool, stack)
-        by_layer: dict[int, dict[str, nn.Module]] = {}
+        by_layer: dict[int, dict[str, nn.Module | Tensor]] = {}
         for layer in model.linear_layers() if reason is None else []:
             by_layer.setdefault(layer.layer, {})[layer.role] = layer.module
         layers: list[list[LinearArgs]] = []
         for index, roles in by_layer.items():
-            modules = {role: roles[role] for role in _ROLES}
-            found = {name: linear_args(module) for name, module in modules.items()}
+            routed = stack.routed[index] if isinstance(stack, LlamaStack) and stack.routed else None
+            modules = {role: roles[role] for role in (_ROLES if routed is None else _ROLES[:2])}
+            if routed is not None:
+                modules["router"] = routed.router
+                for expert, (gate_up, down) in enumerate(zip(routed.gate_up, routed.down, strict=True)):
+                    modules[f"expert {expert}'s gate_up"] = gate_up
+                    modules[f"expert {expert}'s down"] = down
+            found = {name: _args_of(module) for name, module in modules.items()}
             missing = [name for name, args in found.items() if args is None]
             if missing:
                 kind = type(modules[missing[0]]).__name__
@@ -229,7 +305,8 @@ class ScriptedDecoder:
             cos, sin = stack.rope_tables(positions, hidden.dtype)
             llama: Tensor = _scripted_stack()(
                 hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, list(stack.norms),
-                list(stack.qk_norms), *self._linears, stack.final_norm, *self._dims,
+                list(stack.qk_norms), *self._routing, *self._linears, stack.final_norm, *self._dims,
+                *self._experts,
             )  # fmt: skip
             return llama
         # Gemma3ForCausalLM.forward: the scaled embedding, two RoPE tables, a mask per window.
@@ -244,6 +321,14 @@ class ScriptedDecoder:
             *cache, list(stack.norms), list(stack.qk_norms), *self._linears, stack.final_norm, *self._dims,
         )  # fmt: skip
         return gemma
+
+
+def _args_of(layer: nn.Module | Tensor) -> LinearArgs | None:
+    """A linear layer as the stack takes it: a module (linear_args), or a float weight that
+    F.linear takes as it is (RoutedMlp's float experts)."""
+    if isinstance(layer, nn.Module):
+        return linear_args(layer)
+    return LinearArgs(FLOAT, layer, torch.empty(0), None, 0, layer.shape[0], 0)
 
 
 def _stack_of(model: CausalLM) -> LlamaStack | GemmaStack | None:
