@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from service.engine.models import gguf_blocks
 from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, CpuPrepackable
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.modelopt import read_quantized
@@ -240,7 +241,10 @@ def dequantize_gguf_tensor(tensor: gguf.ReaderTensor) -> np.ndarray:
     """float32 numpy array in row-major HF order ([out, in] for a weight) for any type gguf can dequantize."""
     try:
         # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping dominates dequantization.
-        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        raw = np.asarray(tensor.data)
+        array = gguf_blocks.dequantize(raw, tensor.tensor_type)  # the common types, on every thread
+        if array is None:
+            array = gguf.quants.dequantize(raw, tensor.tensor_type)
     except NotImplementedError as error:
         raise UnsupportedModelError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be dequantized"
