@@ -27,6 +27,7 @@ ones (float, oneDNN-packed, int4 and int8 weight-only). NIM_ENFORCE_EAGER=1 turn
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 from typing import Any
@@ -201,7 +202,7 @@ class ScriptedDecoder:
         self._stack = stack
         self._window = window_of(stack) if isinstance(stack, GemmaStack) else None
         flat = [args for layer in layers for args in layer]
-        firsts = [sum(len(layer) for layer in layers[:index]) for index in range(len(layers))]
+        firsts = [0, *itertools.accumulate(len(layer) for layer in layers)][: len(layers)]
         routed = list(stack.routed) if isinstance(stack, LlamaStack) else []
         self._routing = (firsts, [mlp is not None for mlp in routed] or [False] * len(layers))
         self._linears: tuple[Any, ...] = (
