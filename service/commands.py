@@ -11,8 +11,9 @@ import urllib.request
 from pathlib import Path
 
 from service.config import Settings
+from service.selection.manifests import Profile, ProfileError
 from service.selection.planning import assess_profiles, current_system, fetch_profile, make_plan, manifest_for
-from service.selection.profiles import Profile, ProfileError, Verdict
+from service.selection.profiles import Verdict
 from service.selection.system_info import describe
 from service.store.model_download import DownloadError
 from service.store.model_store import STORE_DESCRIPTOR, ModelNotFoundError

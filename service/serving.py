@@ -30,8 +30,8 @@ from service.engine.precision import PRECISION_SPECS
 from service.engine.process import ENGINE_PROCESS_SETTING, EngineProcessError, load_in_process, not_in_process
 from service.engine.protocol import LoadedEngine, PathChoice
 from service.engine.registry import load_engine
+from service.selection.manifests import Profile
 from service.selection.planning import Plan, make_plan, model_source
-from service.selection.profiles import Profile
 from service.store.checkpoint import ModelSource
 from service.store.license import model_license
 from service.telemetry.metering import MeteredEngine

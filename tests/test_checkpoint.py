@@ -23,8 +23,8 @@ from service.config_loading import load_settings
 from service.engine.torch.loading import build_engine
 from service.model.config import ModelConfig
 from service.selection import planning
+from service.selection.manifests import Architecture, Manifest
 from service.selection.planning import make_plan, manifest_for, model_source
-from service.selection.profiles import Architecture, Manifest
 from service.serving import engine_config
 from service.store.checkpoint import (
     CONFIG_FILE,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from service.selection.profiles import find_manifest, load_manifests
+from service.selection.manifests import find_manifest, load_manifests
 from service.selection.system_info import SystemInfo
 from tests.conftest import (
     EMBEDDED_NAME,

@@ -137,8 +137,9 @@ def test_a_collective_timeout_without_tensor_parallelism_is_refused_not_ignored(
 
 
 def test_selection_skips_profiles_the_engine_would_refuse() -> None:
+    from service.selection.manifests import Profile
     from service.selection.planning import manifest_for, policy_for
-    from service.selection.profiles import Profile, evaluate
+    from service.selection.profiles import evaluate
     from service.selection.system_info import load_system
 
     settings = load_settings()

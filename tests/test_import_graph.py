@@ -1,6 +1,7 @@
 """Dependencies point one way: no module of service/ imports itself back through others (imports
 inside functions and under TYPE_CHECKING count: neither may hide a circle), the packages form a
-layered graph, and the engine never reaches up into selection, the API or the entry points."""
+layered graph, and the engine never reaches up into selection, the API or the entry points. And no
+module grows past MAX_LINES: a file that long holds more than one job (split it by job)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ SERVICE = Path(__file__).resolve().parent.parent / "service"
 ABOVE_THE_ENGINE = {"service.selection", "service.api", "service.serving", "service.cli", "service.commands",
                     "service.server", "service.telemetry", "service.config", "service.config_loading",
                     "service.config_views", "service.config_values"}  # fmt: skip
+MAX_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -98,3 +100,12 @@ def test_the_engine_never_imports_what_loads_it() -> None:
 def test_the_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_is_over_the_line_cap() -> None:
+    over = {
+        str(path.relative_to(SERVICE.parent)): n
+        for path in SERVICE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not over, f"over {MAX_LINES} lines (split by job): {over}"

@@ -15,8 +15,8 @@ import pytest
 from service.config import Settings
 from service.config_loading import ConfigError, load_settings, read_variables
 from service.nim_variables import BY_NAME, NIM_VARIABLES
+from service.selection.manifests import ProfileError
 from service.selection.planning import make_plan
-from service.selection.profiles import ProfileError
 from service.serve_flags import FLAGS, FlagError, parse_serve_flags
 from service.serve_flags_refused import REFUSED
 from service.store.model_uri import ModelRef

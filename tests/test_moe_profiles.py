@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from service.selection.profiles import Policy, ProfileError, find_manifest, load_manifests, select
+from service.selection.manifests import ProfileError, find_manifest, load_manifests
+from service.selection.profiles import Policy, select
 from service.selection.system_info import SystemInfo, load_system
 
 SYSTEMS = Path(__file__).parent / "systems"

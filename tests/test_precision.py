@@ -27,7 +27,7 @@ from service.engine.precision import (
 from service.engine.registry import ENGINES
 from service.engine.torch.scripted_decode import linear_args
 from service.model.quantization import QuantizationError
-from service.selection import profiles
+from service.selection import manifests
 
 QUANTIZED = [s for s in SPECS if s.quantized]
 
@@ -85,11 +85,11 @@ def test_quantize_at_load_is_what_the_spec_says(s: PrecisionSpec) -> None:
 
 
 def test_profile_tables_derive_from_the_specs() -> None:
-    assert profiles.PRECISIONS == ("nvfp4", "fp8", "int4_wo", "int8_wo", "bf16", "fp16", "fp32")
-    assert tuple(s.name for s in SPECS) == profiles.PRECISIONS
-    assert {s.name: s.weight_bytes for s in SPECS} == profiles.WEIGHT_BYTES
+    assert manifests.PRECISIONS == ("nvfp4", "fp8", "int4_wo", "int8_wo", "bf16", "fp16", "fp32")
+    assert tuple(s.name for s in SPECS) == manifests.PRECISIONS
+    assert {s.name: s.weight_bytes for s in SPECS} == manifests.WEIGHT_BYTES
     generic = {s.name for s in SPECS if not s.quantized or s.quantized_at_load}
-    assert set(profiles.GENERIC_PRECISIONS) == generic
+    assert set(manifests.GENERIC_PRECISIONS) == generic
     assert generic == {"bf16", "fp16", "fp32", "fp8", "int8_wo", "int4_wo"}
     assert {s.name: s.dtype for s in SPECS if not s.quantized} == engine_config.PRECISION_DTYPES
     assert ENGINES["torch"].support.precisions == TORCH_PRECISIONS

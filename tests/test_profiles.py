@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from service.selection.profiles import (
+from service.selection.manifests import (
     Architecture,
-    Policy,
     ProfileError,
-    assess,
     find_manifest,
     generic_manifest,
     load_manifests,
-    select,
 )
+from service.selection.profiles import Policy, assess, select
 from service.selection.system_info import SystemInfo, load_system
 
 SYSTEMS = Path(__file__).parent / "systems"

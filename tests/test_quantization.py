@@ -1007,8 +1007,8 @@ def test_an_unsupported_checkpoint_is_one_line_at_selection(
 ) -> None:
     """list-model-profiles and serve see a ProfileError (one line), not a traceback."""
     from service.config_loading import load_settings
+    from service.selection.manifests import ProfileError
     from service.selection.planning import manifest_for
-    from service.selection.profiles import ProfileError
 
     awq = _copy_with(modelopt_dirs["plain"], tmp_path / "awq", lambda t: None)
     config = json.loads((awq / "config.json").read_text())

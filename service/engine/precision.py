@@ -70,7 +70,7 @@ class PrecisionSpec:
             raise ValueError(f"precision {self.name}: only a quantized precision is weight-only")
 
 
-# In the order selection prefers them (service.selection.profiles.PRECISIONS), other things equal.
+# In the order selection prefers them (service.selection.manifests.PRECISIONS), other things equal.
 SPECS: tuple[PrecisionSpec, ...] = (
     PrecisionSpec(
         "nvfp4",

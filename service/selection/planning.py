@@ -18,20 +18,16 @@ from service.engine.registry import ENGINES, available_engines
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import HF_QUANT_CONFIG, QuantizationError
 from service.selection.hardware import detect_system
-from service.selection.profiles import (
+from service.selection.manifests import (
     Architecture,
     Manifest,
-    Policy,
     Profile,
     ProfileError,
-    Selection,
-    Verdict,
-    assess,
     find_manifest,
     generic_manifest,
     load_manifests,
-    select,
 )
+from service.selection.profiles import Policy, Selection, Verdict, assess, select
 from service.selection.system_info import SystemInfo, load_system
 from service.store.checkpoint import (
     CONFIG_FILE,
