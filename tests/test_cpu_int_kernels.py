@@ -143,24 +143,31 @@ def _greedy_agreement(
     """Greedy decoding of the first `prompts` prompts by `reference`, each step checked against
     `model`: its token equal but where the reference's top two are within LOGPROB_TOLERANCE (a
     near-tie rounding decides; there the prompt's comparison ends). Returns (steps compared,
-    near-ties taken the other way, the largest |logprob diff| of an agreed token)."""
+    near-ties taken the other way, the largest |logprob diff| of an agreed token).
+
+    Each step's check is teacher-forced: both models read the reference's whole continuation in
+    one forward pass, whose row before each token is that step's prediction (a causal model's row
+    sees only what came before it), rather than one pass per step and model."""
     tokenizer = Tokenizer.from_gguf(embedded_model_path())
     lines = [line for line in (REPO / "tests/data/prompts.txt").read_text().splitlines() if line.strip()]
     worst, ties, compared = 0.0, 0, 0
     for line in lines[:prompts]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": line}])
         ids = tokenizer.encode(text, add_special_tokens=False)
+        start = len(ids)
         for _ in range(NEW_TOKENS):
-            want = _logits(reference, torch.tensor(ids))[-1].float().log_softmax(-1)
-            got = _logits(model, torch.tensor(ids))[-1].float().log_softmax(-1)
-            token, other = int(want.argmax()), int(got.argmax())
+            ids.append(int(_logits(reference, torch.tensor(ids))[-1].argmax()))
+        sequence = torch.tensor(ids[:-1])
+        want_rows = _logits(reference, sequence)[start - 1 :].float().log_softmax(-1)
+        got_rows = _logits(model, sequence)[start - 1 :].float().log_softmax(-1)
+        for step, (want, got) in enumerate(zip(want_rows, got_rows, strict=True)):
+            token, other = ids[start + step], int(got.argmax())
             compared += 1
             if other != token:
                 assert float(want[token] - want[other]) <= LOGPROB_TOLERANCE, (line, token, other)
                 ties += 1
                 break
             worst = max(worst, abs(float(got[token] - want[token])))
-            ids.append(token)
     return compared, ties, worst
 
 
