@@ -196,7 +196,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """LlamaForCausalLM.load_weights (strict); then the windowed layers' RoPE tables."""
         super().load_weights(weights, device)
         if self.local_rotary.cos_cached.is_meta:
-            self.local_rotary.to_empty(device=self.rotary.cos_cached.device)
+            self.local_rotary.materialize(self.rotary.cos_cached.device)
         self.local_rotary.reset_cache()
 
 

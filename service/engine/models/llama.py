@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         elif self.logits_format == "fp16":
             self._half_logits()
         if self.rotary.cos_cached.is_meta:
-            self.rotary.to_empty(device=target_device)
+            self.rotary.materialize(target_device)
         self.rotary.reset_cache()
 
     def _float_table(self) -> Tensor:

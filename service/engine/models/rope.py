@@ -83,6 +83,14 @@ class RotaryEmbedding(nn.Module):
         if self.cos_cached.device.type != "meta":
             self.reset_cache()
 
+    def materialize(self, device: torch.device) -> None:
+        """Real (not yet computed) tables on `device` in place of 'meta' ones, made directly:
+        `Module.to_empty` goes through the meta tensors' Python kernel, whose first use imports
+        sympy (0.65 s of every start)."""
+        for name in ("cos_cached", "sin_cached"):
+            table = getattr(self, name)
+            setattr(self, name, torch.empty(table.shape, dtype=table.dtype, device=device))
+
     @torch.no_grad()
     def reset_cache(self) -> None:
         """Recompute the tables in float32 on CPU (as HF computes inv_freq) into the buffers' dtype/device."""
