@@ -4,17 +4,12 @@ the errors a refused spec gets."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from service.engine.protocol import GuidedDecoding
-
-log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -27,23 +22,11 @@ class GuidedUnavailableError(RuntimeError):
 
 
 def xgrammar_available() -> bool:
-    """Whether xgrammar is installed: found, not imported (its import, transformers with it, takes
-    about a second, which `import_xgrammar_in_background` spends off the way to readiness)."""
-    return importlib.util.find_spec("xgrammar") is not None
-
-
-def import_xgrammar_in_background() -> None:
-    """Import xgrammar on a thread of its own, so that the first structured request finds it
-    imported without the server's start waiting for it. An installation that fails to import is
-    logged here, and refused at first use (GuidedUnavailableError, one line)."""
-
-    def run() -> None:
-        try:
-            import xgrammar  # noqa: F401
-        except Exception as exc:  # an install that fails to import: any error, logged once
-            log.warning("structured output: xgrammar is installed but fails to import (%s)", exc)
-
-    threading.Thread(target=run, name="import-xgrammar", daemon=True).start()
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # response_format json_object: any object (arbitrary properties and values), never an array or scalar.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from service.engine.config import EngineConfig, UnsupportedConfigError
-from service.engine.guided.specs import import_xgrammar_in_background, xgrammar_available
+from service.engine.guided.specs import xgrammar_available
 from service.engine.lora_store import LoraStore
 from service.engine.models.loader import (
     quantizes_at_load,
@@ -123,9 +123,6 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
     check_lora(config)
     check_guided(config)
     check_experts(config)
-    guided = xgrammar_available()
-    if guided:
-        import_xgrammar_in_background()  # while the weights load
     size = config.tensor_parallel_size
     threads = config.num_threads or available_cpu_count()
     if device.type == "cpu":
@@ -196,7 +193,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         features=EngineFeatures(
             prefix_caching=config.kv_cache.enable_prefix_caching,
             lora=adapters is not None,
-            guided_decoding=guided,
+            guided_decoding=xgrammar_available(),
         ),
         max_loras=loaded.lora.num_slots if loaded.lora is not None else 0,
         max_num_seqs=config.scheduler.max_num_seqs,
