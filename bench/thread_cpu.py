@@ -37,10 +37,15 @@ PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 
 
 def _descendants(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
+    """`pid` and every process below it (started by any of its threads)."""
     found = [pid]
-    for child in children.read_text().split() if children.exists() else []:
-        found += _descendants(int(child))
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            listed = children.read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for child in listed:
+            found += _descendants(int(child))
     return found
 
 
@@ -48,7 +53,11 @@ def thread_cpu_ms(pid: int) -> dict[tuple[int, int], float]:
     """(pid, tid) -> CPU ms so far, over `pid` and its descendants."""
     cpu = {}
     for proc in _descendants(pid):
-        for task in Path(f"/proc/{proc}/task").iterdir():
+        try:
+            tasks = list(Path(f"/proc/{proc}/task").iterdir())
+        except OSError:  # the process ended meanwhile
+            continue
+        for task in tasks:
             try:
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
@@ -66,7 +75,7 @@ def thread_names(pid: int) -> dict[int, str]:
                                   timeout=30).stdout  # fmt: skip
         except (OSError, subprocess.TimeoutExpired):
             continue
-        for tid, name in re.findall(r'^Thread (\d+) \(\w+\): "([^"]*)"', dump, re.M):
+        for tid, name in re.findall(r'^Thread (\d+)(?: \([^)]*\))?: "([^"]*)"', dump, re.M):
             names[int(tid)] = name
     return names
 
@@ -121,7 +130,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if k.startswith("NIM_")}
-    report: dict[str, object] = {"command": "bench/thread_cpu.py", "settings": vars(args) | {"env": env}}
+    report: dict[str, object] = {"settings": vars(args) | {"env": env}}  # write_report adds the command
     with tempfile.TemporaryDirectory(prefix="thread-cpu-") as tmp:
         log = Path(tmp) / "server.log"
         process = nim_server.start(env, args.port, log)

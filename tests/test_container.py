@@ -275,7 +275,8 @@ def installed() -> Iterator[Installed]:
         # compiles everything pip installs; the read-only venv below could not cache it later).
         subprocess.run(
             [str(python), "-c", "import service.cli, service.serving, service.engine.torch.loading"],
-            check=True, timeout=300, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+            check=True, timeout=300, cwd="/",  # not the checkout: its service/ would shadow the venv's
+            env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
         )  # fmt: skip
         app = root / "app"
         app.mkdir()
