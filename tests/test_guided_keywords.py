@@ -214,7 +214,12 @@ def test_schemas_as_clients_write_them_pass(schema: dict, capfd: pytest.CaptureF
     ],
 )
 def test_an_empty_language_is_told(grammar, empty: bool) -> None:
-    why = empty_language(grammar())
+    try:
+        built = grammar()
+    except RuntimeError as exc:  # xgrammar >= 0.2.9 refuses a $ref chain with nothing in it itself
+        assert empty and "Circular $ref chain" in str(exc), exc
+        return
+    why = empty_language(built)
     assert (why is not None) is empty, why
     if empty:
         assert "can never end" in why

@@ -209,11 +209,12 @@ def _schema(schema: dict) -> dict:
 REFUSED = [
     ({"guided_regex": "a[^\\s\\S]"}, "the regular expression admits no token sequence"),
     ({"nvext": {"guided_grammar": "root ::= root"}}, "the grammar admits no token sequence"),
-    ({"guided_json": {"$ref": "#"}}, "the JSON schema admits no token sequence"),
+    # A $ref chain with nothing in it: found empty here, or (xgrammar >= 0.2.9) refused by xgrammar.
+    ({"guided_json": {"$ref": "#"}}, ("the JSON schema admits no token sequence", "Circular $ref chain")),
     (
         {"nvext": {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                                    "$ref": "#/$defs/a"}}},
-        "rules that can never end: defs_a, defs_b",
+        ("rules that can never end: defs_a, defs_b", "Circular $ref chain"),
     ),
     (_schema({"type": "object", "properties": {"code": {"type": "string", "pattern": "[^\\s\\S]"}},
               "required": ["code"]}), "the JSON schema admits no token sequence"),
@@ -228,7 +229,7 @@ REFUSED = [
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize(("extra", "message"), REFUSED)
 def test_what_no_text_satisfies_or_xgrammar_would_ignore_is_a_400(
-    base_url: str, extra: dict, message: str, path: str, stream: bool
+    base_url: str, extra: dict, message: str | tuple[str, ...], path: str, stream: bool
 ) -> None:
     body: dict = {"model": EMBEDDED_NAME, "max_tokens": 4, "stream": stream, **extra}
     if path == "/v1/completions":
@@ -239,7 +240,8 @@ def test_what_no_text_satisfies_or_xgrammar_would_ignore_is_a_400(
         response = client.post(path, json=body)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert message in error["message"], error["message"]
+        told = (message,) if isinstance(message, str) else message
+        assert any(m in error["message"] for m in told), error["message"]
         assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
         assert error["param"] == _constraint_field(extra)  # issue 44: it was null
         assert client.get("/v1/health/ready").status_code == 200
