@@ -76,6 +76,7 @@ class _BothPaths:
         self.runner, self.scripted = runner, runner.scripted
         self.equal: list[bool] = []
         self.in_place = 0  # steps whose lone decode read its blocks in place (else gathered)
+        self.rows: list[int] = []  # each step's decode rows
         runner.path = replace(runner.path, scripted=self)  # type: ignore[arg-type]
 
     can_run = staticmethod(ScriptedDecoder.can_run)
@@ -87,20 +88,24 @@ class _BothPaths:
         scripted = self.scripted(input_ids, positions, meta)  # rewrites the same cache slots alike
         self.equal.append(torch.equal(eager, scripted))
         self.in_place += meta.decode_block_run is not None
+        self.rows.append(meta.num_decodes)
         return scripted
 
 
-def _generate(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) -> None:
+def _generate(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of `prompts`, run at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int]) -> None:
-        async for _ in engine.generate(GenerationRequest(f"r{i}", prompt, params)):
-            pass
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(GenerationRequest(f"r{i}", prompt, params)):
+            tokens.extend(out.token_ids)
+        return tokens
 
-    async def run() -> None:
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    async def run() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-    asyncio.run(run())
+    return asyncio.run(run())
 
 
 def _assert_bitwise_alike(engine: TorchEngine) -> None:
@@ -151,6 +156,34 @@ def test_scripted_decode_matches_eager_on_the_embedded_model() -> None:
     engine = _engine()  # GGUF Q4_1 weights as int4, bf16 activations and cache
     try:
         _assert_bitwise_alike(engine)
+    finally:
+        asyncio.run(engine.stop())
+
+
+def test_draft_verification_runs_scripted_as_decode_rows() -> None:
+    """A step of decodes and draft verifications runs as decode rows (each verified token a row
+    attending up to itself): scripted, bitwise the eager forward, a lone request's rows reading its
+    blocks in place, and greedy output the same as without speculation."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    prompts = [list(range(3, 30)) * 3, [(5 * j) % 40 + 3 for j in range(50)]]
+    plain = _engine()
+    try:
+        want = [_generate(plain, [prompt], max_tokens=24)[0] for prompt in prompts]
+        want_together = _generate(plain, prompts, max_tokens=24)
+    finally:
+        asyncio.run(plain.stop())
+    engine = _engine(speculative_config=spec)
+    try:
+        both = _BothPaths(engine)
+        got = [_generate(engine, [prompt], max_tokens=24)[0] for prompt in prompts]
+        rows = both.rows
+        lone = len(rows)
+        got_together = _generate(engine, prompts, max_tokens=24)
+        assert got == want and got_together == want_together
+        assert all(both.equal), f"{both.equal.count(False)} of {len(both.equal)} steps differ"
+        assert engine.core.speculator is not None and engine.core.speculator.counts.num_accepted_tokens > 20
+        assert max(rows[:lone]) > 1 and both.in_place == lone  # a lone request's verify rows read in place
+        assert max(rows[lone:]) > 2  # two requests' rows, gathered
     finally:
         asyncio.run(engine.stop())
 

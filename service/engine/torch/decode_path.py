@@ -9,8 +9,10 @@ A decode-only step (every sequence computes one token) runs one of three ways:
 Steps that are not decode-only (prefills, mixed steps, prompt logprobs) and steps with LoRA
 rows run eagerly whatever the path. Eager decodes attend one of two ways, also decided here:
 `kernel` (the Triton paged kernel over block tables, CUDA) or `gather` (the blocks gathered into
-one tensor; a lone decode whose blocks form one ascending run reads them in place when the cache
-holds the activations' dtype unscaled: `in_place_runs`).
+one tensor; the rows of one sequence, a lone decode or its draft verification, whose blocks form
+one ascending run read them in place when the cache holds the activations' dtype unscaled:
+`in_place_runs`). On the CPU a step of decodes and draft verifications is decode-only: each
+verified token is a decode row of its own (model_runner._verify_rows).
 
 Steps with prefill chunks attend, on CUDA with the kernel, through the unified Triton kernel (one
 launch per layer for the whole step, nothing gathered: `unified_steps`) when a check at start
@@ -56,7 +58,7 @@ class DecodeAttention(enum.Enum):
 class DecodePath:
     kind: str  # "cuda-graphs", "scripted" or "eager"
     attention: DecodeAttention  # how eager decodes attend
-    in_place_runs: bool  # a lone decode over one ascending run of blocks reads them in place
+    in_place_runs: bool  # one sequence's decode rows over one ascending run of blocks read it in place
     reason: str  # why this path (logged once, at build)
     graphs: CudaGraphDecoder | None = None  # kind "cuda-graphs": the decoder (captured at warm-up)
     scripted: ScriptedDecoder | None = None  # kind "scripted"

@@ -411,23 +411,27 @@ class ModelRunner:
             return self._unified_metadata(plan)
         decode_blocks = mask = tables = lens = None
         run: tuple[int, int] | None = None
-        if num_decodes:
-            context_lens = plan.context_lens[:num_decodes]
-            width = cdiv(max(context_lens), self.block_size)
-            lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+        rows = _verify_rows(plan) if self.path.attention is DecodeAttention.GATHER else None
+        row_lens, row_tables = rows or (plan.context_lens[:num_decodes], plan.block_tables[:num_decodes])
+        num_rows = len(row_lens)
+        if num_rows:
+            width = cdiv(max(row_lens), self.block_size)
+            lens = torch.tensor(row_lens, dtype=torch.long, device=device)
             if self.path.attention is DecodeAttention.KERNEL:
                 scratch = self.pool.scratch_block
-                rows = [list(t) + [scratch] * (width - len(t)) for t in plan.block_tables[:num_decodes]]
-                tables = torch.tensor(rows, dtype=torch.long, device=device)  # [B, N]
+                padded = [list(t) + [scratch] * (width - len(t)) for t in row_tables]
+                tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]
             else:
-                in_place = num_decodes == 1 and self.path.in_place_runs
+                # Every row one sequence's: a lone decode, or one verification's rows.
+                one_sequence = num_decodes == 1 if rows is None else plan.num_sequences == 1
+                in_place = one_sequence and self.path.in_place_runs
                 run = _block_run(plan.block_tables[0]) if in_place else None
                 if run is None:
-                    decode_blocks = self._blocks(plan.block_tables[:num_decodes], width)  # [B * N]
+                    decode_blocks = self._blocks(row_tables, width)  # [B * N]
                 mask = decode_mask(lens, width * self.block_size, self.dtype)
         prefills = []
-        query_start = num_decodes
-        for i in range(num_decodes, plan.num_sequences):
+        query_start = num_rows
+        for i in range(num_decodes if rows is None else plan.num_sequences, plan.num_sequences):
             num_query, context_len = plan.query_lens[i], plan.context_lens[i]
             width = cdiv(context_len, self.block_size)
             prefills.append(
@@ -444,7 +448,7 @@ class ModelRunner:
             query_start += num_query
         return AttentionMetadata(
             slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=device),
-            num_decodes=num_decodes,
+            num_decodes=num_rows,
             decode_block_ids=decode_blocks,
             decode_mask=mask,
             prefills=tuple(prefills),
@@ -476,6 +480,27 @@ class ModelRunner:
         """The first `width` blocks of each table (short tables pad with block 0), as pool rows."""
         padded = [b for t in tables for b in (list(t[:width]) + [0] * (width - min(len(t), width)))]
         return self.pool.head_block_ids(torch.tensor(padded, dtype=torch.long, device=self.device))
+
+
+def _verify_rows(plan: StepPlan) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]] | None:
+    """A step of decodes and draft verifications only, as decode rows: each verified token a row
+    of its own attending to its sequence's context up to itself (the causal attention of the chunk
+    form), so the step stays decode-only (the scripted CPU stack runs it, and the eager path runs
+    no chunk attention). The rows' context lengths and block tables, in the step's token order;
+    None when some sequence is neither (a prompt chunk, prompt logprobs) or none verifies."""
+    num_decodes = plan.num_decodes
+    if num_decodes == plan.num_sequences:
+        return None
+    lens = list(plan.context_lens[:num_decodes])
+    tables = list(plan.block_tables[:num_decodes])
+    for i in range(num_decodes, plan.num_sequences):
+        n = plan.query_lens[i]
+        if plan.prompt_logits[i] or plan.drafts_of(i) != n - 1:
+            return None
+        cached = plan.context_lens[i] - n
+        lens.extend(range(cached + 1, cached + n + 1))
+        tables.extend([plan.block_tables[i]] * n)
+    return tuple(lens), tuple(tables)
 
 
 def _block_run(table: tuple[int, ...]) -> tuple[int, int] | None:

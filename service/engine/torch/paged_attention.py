@@ -96,8 +96,9 @@ class AttentionMetadata:
     # Set instead of the two above where decodes attend through the Triton kernel (CUDA).
     decode_tables: torch.Tensor | None = None  # [B, N] block ids (padded with the scratch block)
     decode_lens: torch.Tensor | None = None  # [B] context lengths
-    # A lone decode whose blocks are one ascending run (first block, count): its keys and values
-    # are read in place, a view of the pool, instead of gathered (set instead of decode_block_ids).
+    # Decode rows of one sequence (a lone decode, or its draft verification's rows) whose blocks are
+    # one ascending run (first block, count): its keys and values are read in place, a view of the
+    # pool, instead of gathered (set instead of decode_block_ids).
     decode_block_run: tuple[int, int] | None = None
     # Set (and nothing above but slot_mapping) where the whole step attends through the unified kernel.
     unified: UnifiedStep | None = None
@@ -185,12 +186,15 @@ class PagedAttention:
         batch, length = mask.shape[0], mask.shape[-1]
         if meta.decode_block_run is not None:
             both = self.pool.run_pair(layer, *meta.decode_block_run)  # [2, Hkv, L, D], a view
+            _, num_kv_heads, _, head_dim = both.shape
+            # Every row reads the one run: [B, Hkv, L, D] views of it (stride 0 over the rows).
+            keys, values = both.unsqueeze(1).expand(2, batch, num_kv_heads, length, head_dim).unbind(0)
         else:
             assert meta.decode_block_ids is not None
             both = self.pool.gather_pair(layer, meta.decode_block_ids, q.dtype)  # [2, Hkv, B*L, D]
-        _, num_kv_heads, _, head_dim = both.shape
-        # Each request's keys (values) as one [L, D] matrix per kv head: [B, Hkv, L, D] views.
-        keys, values = both.view(2, num_kv_heads, batch, length, head_dim).transpose(1, 2).unbind(0)
+            _, num_kv_heads, _, head_dim = both.shape
+            # Each row's keys (values) as one [L, D] matrix per kv head: [B, Hkv, L, D] views.
+            keys, values = both.view(2, num_kv_heads, batch, length, head_dim).transpose(1, 2).unbind(0)
         # Query head h attends with kv head h // group: [B, Hq, D] is [B, Hkv, G, D] as it lies.
         queries = q.view(batch, num_kv_heads, self.num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)

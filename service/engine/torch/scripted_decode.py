@@ -17,7 +17,9 @@ eager path (LlamaDecoderLayer, SparseMoeBlock or Gemma3DecoderLayer and their li
 gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
 ones: batch invariance and the numerics against transformers hold unchanged
 (tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
-Steps with prefill chunks run eagerly.
+Steps with prefill chunks run eagerly. A step whose other sequences verify drafts (speculative
+decoding) is a decode-only step too: the model runner lays each verified token out as a decode row
+of its own, attending to its sequence's context up to itself (model_runner._verify_rows).
 
 Where it does not apply the engine runs decode steps eagerly and says why once at start-up:
 tensor parallelism, LoRA, a quantized KV cache, or a linear layer other than the CPU's native
@@ -104,7 +106,7 @@ def _decode_stack(
     mask: Tensor,  # [B, 1, 1, L] additive
     pools: list[Tensor],  # KVPool.data: one per layer
     block_ids: Tensor | None,  # gathered pool rows, or
-    run_first: int,  # a lone decode's ascending block run, read in place (block_ids None)
+    run_first: int,  # one sequence's ascending block run, read in place (block_ids None)
     run_count: int,
     block_size: int,
     norms: list[Tensor],  # per layer: input, post-attention

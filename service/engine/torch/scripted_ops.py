@@ -100,7 +100,7 @@ def attend(
     slots: Tensor,  # [B] cache slots of the new tokens
     mask: Tensor,  # [B, 1, 1, L] additive (narrowed to the layer's window, if any)
     block_ids: Tensor | None,  # gathered pool rows, or
-    run_first: int,  # a lone decode's ascending block run, read in place (block_ids None)
+    run_first: int,  # one sequence's ascending block run, read in place (block_ids None)
     run_count: int,
     block_size: int,
     scale: float,
@@ -117,7 +117,10 @@ def attend(
     else:
         both = pool.view(-1, block_size, head_dim).index_select(0, block_ids)
         both = both.view(2, num_kv_heads, -1, head_dim)
-    kv = both.view(2, num_kv_heads, batch, mask.shape[-1], head_dim).transpose(1, 2).unbind(0)
+    if block_ids is None:  # every row reads the one run (a lone decode, or one sequence's verify rows)
+        kv = both.unsqueeze(1).expand(2, batch, num_kv_heads, mask.shape[-1], head_dim).unbind(0)
+    else:
+        kv = both.view(2, num_kv_heads, batch, mask.shape[-1], head_dim).transpose(1, 2).unbind(0)
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads * head_dim)
