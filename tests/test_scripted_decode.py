@@ -166,14 +166,13 @@ def test_draft_verification_runs_scripted_as_decode_rows() -> None:
     blocks in place, and greedy output the same as without speculation."""
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     prompts = [list(range(3, 30)) * 3, [(5 * j) % 40 + 3 for j in range(50)]]
-    plain = _engine()
-    try:
-        want = [_generate(plain, [prompt], max_tokens=24)[0] for prompt in prompts]
-        want_together = _generate(plain, prompts, max_tokens=24)
-    finally:
-        asyncio.run(plain.stop())
     engine = _engine(speculative_config=spec)
     try:
+        speculator, engine.core.speculator = engine.core.speculator, None
+        want = [_generate(engine, [prompt], max_tokens=24)[0] for prompt in prompts]
+        want_together = _generate(engine, prompts, max_tokens=24)
+        engine.core.speculator = speculator
+        engine.core.pool.reset_cache()  # the same blocks again: each request's one run, read in place
         both = _BothPaths(engine)
         got = [_generate(engine, [prompt], max_tokens=24)[0] for prompt in prompts]
         rows = both.rows
