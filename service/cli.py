@@ -11,11 +11,12 @@ Parses flags, builds the one Settings object, and runs the command. entrypoint.p
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import ssl
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NoReturn, TypedDict
 
 import uvicorn
 
@@ -79,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]  # `serve` is the default command
     if argv[0] in SERVE_COMMANDS:
-        sys.exit(_serve_command(argv[1:]))
+        _exit_served(_serve_command(argv[1:]))
     if argv[0] in DYNAMO_COMMANDS:
-        sys.exit(_serve_command(argv[1:], dynamo_role=argv[0]))
+        _exit_served(_serve_command(argv[1:], dynamo_role=argv[0]))
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k in SETTINGS_FLAGS}
     settings = _settings_or_exit(flags)
@@ -104,6 +105,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 DYNAMO_COMMANDS = ("dynamo-worker", "dynamo-router")
+
+
+def _exit_served(code: int) -> NoReturn:
+    """End a served process with `code`, its objects frozen first: the interpreter's shutdown then
+    skips garbage-collecting them (with torch imported, ~0.9 s of every stop on 2 cores walking
+    millions of objects whose memory the OS takes back anyway). atexit handlers and module teardown
+    still run; the server has ended its engine, children and exporters before this."""
+    gc.freeze()
+    sys.exit(code)
 
 
 def _serve_command(tokens: list[str], dynamo_role: str | None = None) -> int:

@@ -3,6 +3,7 @@ create-model-store (and serving what it creates with networking disabled)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from service.selection.manifests import find_manifest, load_manifests
 from service.selection.system_info import SystemInfo
@@ -200,3 +202,19 @@ def test_help_lists_the_commands(capsys) -> None:
     except SystemExit as exc:
         assert not exc.code
     assert "--max-model-len" in capsys.readouterr().out
+
+
+def test_a_served_process_exits_with_its_objects_frozen(monkeypatch, capsys) -> None:
+    """A serve (or Dynamo role) process freezes its objects before it exits, so the interpreter's
+    shutdown does not garbage-collect torch's millions of objects (~0.9 s of every stop here); the
+    exit code is the command's. (bench: start_server, one request, stop: 1.63 -> 0.77 s median.)"""
+    from service.cli import main
+
+    frozen: list[int] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(1))
+    for command in ("serve", "dynamo-worker"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--no-such-flag"])
+        assert exited.value.code == 2
+    assert len(frozen) == 2
+    assert "--no-such-flag" in capsys.readouterr().err
