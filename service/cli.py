@@ -24,6 +24,7 @@ from service.config import Settings
 from service.config_loading import ConfigError, load_settings
 from service.logs import configure_logging
 from service.serve_flags import SERVE_COMMANDS, FlagError, parse_serve_flags, serve_help
+from service.util import freeze_startup_heap
 
 if TYPE_CHECKING:
     from service.api.app import BringUp
@@ -183,7 +184,9 @@ def serve(settings: Settings, bring_up: BringUp | None = None) -> int:
 
     try:
         model = bring_up if bring_up is not None else bring_up_model(settings)
-        app = create_app(settings, served_name(settings), model, on_fatal=on_fatal)
+        app = create_app(
+            settings, served_name(settings), model, on_fatal=on_fatal, on_ready=freeze_startup_heap
+        )
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return 2

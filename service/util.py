@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -58,3 +59,13 @@ async def on_new_thread(fn: Callable[..., T], *args: object, name: str = "worker
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return await done
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then put every surviving object out of the cyclic collector's reach: what a
+    process builds before it serves (modules, torch's registries, the model, the tokenizer: ~280,000
+    objects for the embedded model) lives as long as the process, and each full collection walked
+    all of it, a pause of ~140 ms on 2 cores (the engine's step waits on the GIL meanwhile). As vLLM's
+    engine core does after start-up. Called once per serving process, just before it serves."""
+    gc.collect()
+    gc.freeze()

@@ -218,3 +218,29 @@ def test_a_served_process_exits_with_its_objects_frozen(monkeypatch, capsys) -> 
         assert exited.value.code == 2
     assert len(frozen) == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_serve_freezes_the_start_up_heap_once_the_model_is_up(monkeypatch) -> None:
+    """`serve` hands the app service.util.freeze_startup_heap as its on_ready hook (called once
+    the model is up, before the service reports ready: tests/test_engine_failure.py), and the hook
+    leaves what survived a collection out of the collector's reach (in a fresh interpreter: it
+    freezes for good)."""
+    import service.api.app
+    from service.cli import serve
+    from service.config_loading import ConfigError, load_settings
+    from service.util import freeze_startup_heap
+
+    seen: dict[str, object] = {}
+
+    def create_app(*args: object, **kwargs: object) -> None:
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(service.api.app, "create_app", create_app)
+    assert serve(load_settings(), bring_up=lambda metrics, on_death: None) == 2  # type: ignore[arg-type,return-value]
+    assert seen["on_ready"] is freeze_startup_heap
+    probe = "import gc; from service.util import freeze_startup_heap as f; f(); print(gc.get_freeze_count())"
+    frozen = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert int(frozen.stdout) > 1000

@@ -156,3 +156,28 @@ def _tokenizer():
     from service.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(embedded_model_path())
+
+
+def test_on_ready_is_called_once_before_the_service_reports_ready() -> None:
+    """create_app's on_ready hook (where `serve` freezes its start-up heap) runs once, after the
+    model is up and before /v1/health/ready says 200."""
+    engine = DyingEngine()
+    calls: list[int] = []
+    app_ref: list[object] = []
+
+    def on_ready() -> None:
+        calls.append(app_ref[0].state.service.phase == "loading")  # type: ignore[attr-defined]
+
+    async def bring_up(metrics: Metrics, on_death) -> Ready:
+        info = ModelInfo(EMBEDDED_NAME, "fake", INFO, "0" * 64, "fake-profile", {})
+        return Ready(engine=engine, tokenizer=_tokenizer(), info=info)
+
+    app = create_app(load_settings(), EMBEDDED_NAME, bring_up, on_ready=on_ready)
+    app_ref.append(app)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while client.get("/v1/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        client.get("/v1/health/ready")
+    assert calls == [True]  # once, while the service still said it was loading

@@ -47,8 +47,15 @@ BringUp = Callable[[Metrics, FatalHandler], Awaitable[Ready]]
 
 
 def create_app(
-    settings: Settings, served_name: str, bring_up: BringUp, on_fatal: FatalHandler | None = None
+    settings: Settings,
+    served_name: str,
+    bring_up: BringUp,
+    on_fatal: FatalHandler | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
+    """The API over the model `bring_up` loads; `on_fatal` is told when the engine dies, `on_ready`
+    is called once the model is up, just before the service reports ready (the serving process
+    freezes its start-up heap there: service.util.freeze_startup_heap)."""
     tracing = configure_tracing(settings)
     state = ServiceState(
         limits=ApiLimits.from_settings(settings), metrics=Metrics(served_name), served_name=served_name
@@ -57,7 +64,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_bring_up(state, bring_up, on_fatal))
+        loading = asyncio.create_task(_bring_up(state, bring_up, on_fatal, on_ready))
         try:
             yield
         finally:
@@ -109,7 +116,9 @@ def create_app(
     return app
 
 
-async def _bring_up(state: ServiceState, bring_up: BringUp, on_fatal: FatalHandler | None) -> None:
+async def _bring_up(
+    state: ServiceState, bring_up: BringUp, on_fatal: FatalHandler | None, on_ready: Callable[[], None] | None
+) -> None:
     def engine_died(reason: str) -> None:
         state.failure = reason
         log.error("%s", reason)
@@ -134,6 +143,8 @@ async def _bring_up(state: ServiceState, bring_up: BringUp, on_fatal: FatalHandl
     state.model = ready
     state.engine_stats.attach(ready.engine, ready.info.engine)
     if state.phase == "loading":
+        if on_ready is not None:
+            on_ready()
         state.phase = "ready"
         info = ready.info
         log.info("serving %s as %r with profile %s (%s)", info.source, info.served_name, info.profile_name,

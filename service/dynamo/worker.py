@@ -51,7 +51,7 @@ from service.logs import configure_logging
 from service.selection.planning import Plan, make_plan, model_source
 from service.serving import engine_config, load
 from service.store.checkpoint import ModelSource
-from service.util import one_line
+from service.util import freeze_startup_heap, one_line
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,7 @@ def serve_worker(settings: Settings) -> int:
 
     async def factory(argv: list[str] | None) -> tuple[NimWorker, WorkerConfig]:
         worker, worker_config = await prepare(settings)
+        freeze_startup_heap()
         holder.append(worker)
         return worker, worker_config
 

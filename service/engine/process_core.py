@@ -42,7 +42,7 @@ from service.engine.protocol import (
 )
 from service.engine.registry import load_core
 from service.logs import configure_logging
-from service.util import one_line
+from service.util import freeze_startup_heap, one_line
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ class EngineProcess:
             core.shutdown()
             return 1
         self.sent_stats = core.stats()
+        freeze_startup_heap()
         self.send(Started(core.info))
         try:
             drive(core, self._commands, self._emit)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -52,12 +53,13 @@ from service.engine.torch.model_runner import ModelRunner
 from service.engine.torch.rank_loading import load_rank, resolve_device
 from service.engine.torch.step_plan import StepPlan
 from service.logs import configure_logging
-from service.util import one_line
+from service.util import freeze_startup_heap, one_line
 
 log = logging.getLogger(__name__)
 
 # How long a collective waits for the other ranks where NIM_COLLECTIVE_TIMEOUT_SECONDS is unset.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+RENDEZVOUS_TIMEOUT_S = 120.0  # how long the ranks' processes have to start and meet
 # How long a stopping worker gets to leave on its own, then after terminate, before it is killed.
 STOP_GRACE_S = 5.0
 
@@ -96,14 +98,28 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def join_group(device: torch.device, setup: RankSetup, rank: int) -> None:
-    """Join the process group; its collectives (and this rendezvous) wait at most the config's
-    collective timeout for the other ranks."""
+    """Join the process group: the rendezvous waits up to RENDEZVOUS_TIMEOUT_S (or the collective
+    timeout, if longer) for the other ranks, whose processes are still starting (importing torch,
+    initialising CUDA: seconds, under load more); the group's collectives then wait at most the
+    config's collective timeout. (One timeout for both failed starts whenever a rank took longer to
+    start than NIM_COLLECTIVE_TIMEOUT_SECONDS.)"""
+    collective = setup.config.collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S
+    address = urlsplit(setup.init_method)
+    assert address.hostname is not None and address.port is not None, setup.init_method
+    store = dist.TCPStore(
+        address.hostname,
+        address.port,
+        setup.size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=max(collective, RENDEZVOUS_TIMEOUT_S)),
+        wait_for_workers=True,
+    )
     dist.init_process_group(
         backend_for(device),
-        init_method=setup.init_method,
+        store=store,
         rank=rank,
         world_size=setup.size,
-        timeout=datetime.timedelta(seconds=setup.config.collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=collective),
     )
 
 
@@ -263,6 +279,7 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: Connection) -> None:
     pool = KVPool(loaded.kv_spec, blocks, device)
     path = DecodePath.eager(pool, loaded.model, loaded.decode_kernel, "a tensor-parallel worker rank")
     runner = ModelRunner(loaded.model, pool, device, path, lora=loaded.lora)
+    freeze_startup_heap()
     pipe.send(("ready",))
     torch.set_grad_enabled(False)
     with torch.inference_mode():
