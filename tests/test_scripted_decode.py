@@ -75,7 +75,7 @@ class _BothPaths:
         assert runner.scripted is not None
         self.runner, self.scripted = runner, runner.scripted
         self.equal: list[bool] = []
-        self.in_place = 0  # steps whose lone decode read its blocks in place (else gathered)
+        self.in_place = 0  # steps whose rows (one sequence's) read its blocks in place (else gathered)
         self.rows: list[int] = []  # each step's decode rows
         runner.path = replace(runner.path, scripted=self)  # type: ignore[arg-type]
 

@@ -1,6 +1,7 @@
 """How decode steps run, decided once when the engine is built and logged once with the reason.
 
-A decode-only step (every sequence computes one token) runs one of three ways:
+A decode-only step (every sequence computes one token; on the CPU also a step whose other
+sequences verify drafts, each verified token a decode row) runs one of three ways:
 - cuda-graphs: a captured CUDA graph per batch-size bucket is replayed
   (service.engine.torch.cuda_graphs; CUDA, one rank, the Triton paged kernel);
 - scripted: the decoder layers run as one TorchScript call (service.engine.torch.scripted_decode;

@@ -295,7 +295,7 @@ class ScriptedDecoder:
         return not meta.prefills and meta.decode_mask is not None and meta.decode_tables is None
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """input_ids, positions: [B] (one token per sequence) -> final-norm hidden states [B, hidden],
+        """input_ids, positions: [B] (one token per decode row) -> final-norm hidden states [B, hidden],
         bitwise `model(input_ids, positions, PagedAttention(pool, meta, ...))`."""
         assert self.can_run(meta) and meta.decode_mask is not None
         stack = self._stack

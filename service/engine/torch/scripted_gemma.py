@@ -39,7 +39,7 @@ def _gemma_stack(
     windowed: list[bool],  # per layer
     pools: list[Tensor],  # KVPool.data: one per layer
     block_ids: Tensor | None,  # gathered pool rows, or
-    run_first: int,  # a lone decode's ascending block run, read in place (block_ids None)
+    run_first: int,  # one sequence's ascending block run, read in place (block_ids None)
     run_count: int,
     block_size: int,
     norms: list[Tensor],  # per layer: input, post-attention, pre-feedforward, post-feedforward

@@ -1,9 +1,9 @@
 """Which requests speculate this step, with what drafts, and what acceptance they had.
 
-Back-off: a verification in which no draft was accepted cost a step wider than a plain decode (on
-the CPU also an eager one, where a decode alone runs the scripted stack) and gave one token, as a
-plain decode would have. So after each such verification the request skips proposing for a while:
-one step after the first, then twice as many after each further one in a row (up to
+Back-off: a verification in which no draft was accepted cost a step wider than a plain decode
+(k + 1 rows through every layer instead of one) and gave one token, as a plain decode would
+have. So after each such verification the request skips proposing for a while: one step after the
+first, then twice as many after each further one in a row (up to
 MAX_BACKOFF_STEPS), and any accepted draft resets it. A workload with nothing to accept therefore
 spends about one step in MAX_BACKOFF_STEPS verifying, while one that repeats its input speculates
 on every step. (A proposal the lookup cannot make costs no step at all: the request decodes.)
