@@ -10,6 +10,9 @@ PORT ?= $(or $(NIM_SERVER_PORT),8000)
 # Dynamo's Python half, beside the `dynamo` extra's runtime: its declared dependencies pull aisimulate
 # (the planner's, unused here), which downloads from a host outside PyPI, so it goes in --no-deps.
 AI_DYNAMO := ai-dynamo==1.6.1
+# pytest-xdist workers for `make test`, one per core of the 2-core target (each engine and server a
+# test starts then takes one intra-op thread: tests/conftest.py). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-test serve test test-gpu lint format bench clean dynamo-local
 
@@ -51,7 +54,7 @@ test: setup-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with an NVIDIA GPU (and the CUDA torch it came with): the gpu-marked tests, then the
 # engine and API tests with the engine on CUDA (the default device there).

@@ -20,6 +20,11 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+# Intra-op threads for the engines the tests build and the servers they start: one under
+# pytest-xdist (`make test` runs two workers, one per core: two workers' threads would contend
+# for the 2 cores of the target machine), two in a single pytest process.
+TEST_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))  # torch's default, read when it loads
 EMBEDDED_NAME = "smollm2-135m-instruct"
 READY_TIMEOUT_S = 180
 
@@ -73,7 +78,7 @@ def start_server(
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
     full_env.update(
         {
-            "NIM_NUM_THREADS": "2",
+            "NIM_NUM_THREADS": str(TEST_THREADS),
             "NIM_KV_CACHE_MAX_TOKENS": "32768",
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",

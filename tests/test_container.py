@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, REPO, ServerProcess, free_port, wait_ready
+from tests.conftest import EMBEDDED_NAME, REPO, TEST_THREADS, ServerProcess, free_port, wait_ready
 
 DOCKERFILE = REPO / "Dockerfile"
 TARGETS = ("gpu", "cpu")
@@ -178,7 +178,7 @@ class Installed:
             "NIM_CACHE_PATH": str(self.cache),
             "TMPDIR": str(self.tmp),
             "HF_HUB_OFFLINE": "1",
-            "NIM_NUM_THREADS": "2",
+            "NIM_NUM_THREADS": str(TEST_THREADS),
             "NIM_KV_CACHE_MAX_TOKENS": "8192",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONUNBUFFERED": "1",

@@ -13,6 +13,7 @@ from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 from service.engine.torch.triton_attention import paged_decode_attention
 from service.engine.triton_support import available as triton_available
+from tests.conftest import TEST_THREADS
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton (pip install triton)")
 
@@ -104,7 +105,9 @@ def test_the_engine_decodes_the_same_through_the_kernel() -> None:
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
 
-    settings = load_settings(num_threads=2, kv_cache_max_tokens=4096, max_model_len=512, dtype="float32")
+    settings = load_settings(
+        num_threads=TEST_THREADS, kv_cache_max_tokens=4096, max_model_len=512, dtype="float32"
+    )
     engine = build_engine(config_for(settings))
 
     async def generate(kernel: bool) -> list[list[int]]:
@@ -139,7 +142,9 @@ def test_graph_inputs_reproduce_the_eager_step() -> None:
     from service.engine.torch.loading import build_core
     from service.serving import config_for
 
-    settings = load_settings(num_threads=2, kv_cache_max_tokens=2048, max_model_len=256, dtype="float32")
+    settings = load_settings(
+        num_threads=TEST_THREADS, kv_cache_max_tokens=2048, max_model_len=256, dtype="float32"
+    )
     core = build_core(config_for(settings))  # driven by hand: add, step, then plan a step
     core.runner.decode_kernel = True  # as on CUDA, where the graphs' attention is the kernel
     decoder = CudaGraphDecoder(core.model, core.kv_pool, 8, 256, core.config.device)

@@ -19,6 +19,7 @@ from service.engine.torch.engine import TorchEngine
 from service.engine.torch.engine_stats import StatsPublisher
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
+from tests.conftest import TEST_THREADS
 
 WORDS = [
     *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while"),
@@ -28,7 +29,7 @@ WORDS = [
 
 def make_engine(**overrides: object) -> TorchEngine:
     defaults: dict[str, object] = {
-        "num_threads": 2,
+        "num_threads": TEST_THREADS,
         "max_model_len": 2048,
         "kv_cache_max_tokens": 16384,
         "max_num_batched_tokens": 256,

@@ -40,12 +40,12 @@ from service.engine.protocol import (
 from service.engine.torch.loading import build_engine
 from service.serving import config_for
 from service.text.tokenizer import Tokenizer
-from tests.conftest import EMBEDDED_NAME, ServerProcess, process_alive, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, TEST_THREADS, ServerProcess, process_alive, start_server, wait_ready
 from tests.test_engine_failure import DOOMED_PROMPT, FAULT
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, object] = {
-    "num_threads": 2,
+    "num_threads": TEST_THREADS,
     "max_model_len": 2048,
     "kv_cache_max_tokens": 8192,
     "max_num_batched_tokens": 256,
@@ -452,7 +452,7 @@ def test_lora_adapters_are_served_and_mirrored_from_the_engine_process(tmp_path:
         "peft_refresh_interval": 0.2,
         "max_lora_rank": 16,
         "max_gpu_loras": 2,
-        "num_threads": 2,
+        "num_threads": TEST_THREADS,
         "max_model_len": None,
         "kv_cache_max_tokens": 4096,
     }

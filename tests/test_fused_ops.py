@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from service.engine.models import triton_ops
 from service.engine.models.llama_layers import RMSNorm
 from service.engine.models.rope import TableRope
+from tests.conftest import TEST_THREADS
 
 pytestmark = pytest.mark.skipif(not triton_ops.available(), reason="needs triton (pip install triton)")
 
@@ -107,7 +108,7 @@ def test_the_model_computes_the_same_through_the_fused_kernels(monkeypatch: pyte
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
 
-    config = config_for(load_settings(num_threads=2, max_model_len=256, dtype="float32"))
+    config = config_for(load_settings(num_threads=TEST_THREADS, max_model_len=256, dtype="float32"))
     engine = build_engine(config)
     model = engine.core.model
     device = engine.core.config.device

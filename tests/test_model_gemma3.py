@@ -34,6 +34,7 @@ from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.serving import config_for
+from tests.conftest import TEST_THREADS
 from tests.test_quantization import serving
 from tests.test_tensor_parallel import randomize
 from tests.test_tensor_parallel_serving import _distinct_tokens
@@ -358,7 +359,7 @@ def engine(checkpoint: Path) -> Iterator[TorchEngine]:
     settings = load_settings(
         model_name=str(checkpoint),
         model_profile=FP32,
-        num_threads=2,
+        num_threads=TEST_THREADS,
         max_model_len=512,
         kv_cache_max_tokens=4096,
         max_num_batched_tokens=16,

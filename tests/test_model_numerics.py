@@ -40,8 +40,9 @@ from service.engine.models.loader import (
     unpermute_llama_rope_rows,
 )
 from service.model.config import ModelConfig, UnsupportedModelError
+from tests.conftest import TEST_THREADS
 
-torch.set_num_threads(2)
+torch.set_num_threads(TEST_THREADS)
 
 FLOAT32_TOLERANCE = 1e-4
 BFLOAT16_TOLERANCE = 0.15

@@ -57,10 +57,10 @@ from service.engine.models.quant import (
     gguf_q4_1,
 )
 from service.engine.models.quant_linear import FP8Linear, Int4Linear, Int8Linear, NVFP4Linear
-from tests.conftest import EMBEDDED_NAME, ServerProcess, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, TEST_THREADS, ServerProcess, start_server, wait_ready
 from tests.test_model_numerics import _write_gguf
 
-torch.set_num_threads(2)
+torch.set_num_threads(TEST_THREADS)
 
 FLOAT32_LOGITS_TOLERANCE = 1e-4
 BFLOAT16_LOGITS_TOLERANCE = 0.15

@@ -25,6 +25,7 @@ from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
 from service.engine.torch.scripted_decode import ScriptedDecoder
 from service.serving import config_for
+from tests.conftest import TEST_THREADS
 from tests.test_model_gemma3 import _hf_config as gemma3_config
 from tests.test_model_moe import _hf_model as moe_model
 from tests.test_quantization import _SMALL, _byte_level_tokenizer
@@ -60,7 +61,11 @@ def _checkpoint(directory: Path, architecture: str) -> Path:
 
 
 def _engine(**settings: object) -> TorchEngine:
-    defaults: dict[str, object] = {"num_threads": 2, "max_model_len": 512, "kv_cache_max_tokens": 4096}
+    defaults: dict[str, object] = {
+        "num_threads": TEST_THREADS,
+        "max_model_len": 512,
+        "kv_cache_max_tokens": 4096,
+    }
     engine = build_engine(config_for(load_settings(**{**defaults, **settings})))
     asyncio.run(engine.start())
     return engine

@@ -33,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import EMBEDDED_NAME, ServerProcess, process_alive, start_server, wait_ready
+from tests.conftest import EMBEDDED_NAME, TEST_THREADS, ServerProcess, process_alive, start_server, wait_ready
 from tests.test_quantization import CAPITAL, serving
 from tests.test_tensor_parallel import _checkpoint
 
@@ -113,7 +113,8 @@ def _clear_prefixes(reference: list[list[tuple[str, float]]]) -> list[list[str]]
 
 @pytest.mark.parametrize(("precision", "kv_cache"), [("bf16", "auto"), ("int8_wo", "int8")])
 def test_two_ranks_answer_as_one(checkpoint: Path, tmp_path: Path, precision: str, kv_cache: str) -> None:
-    base = {"NIM_MODEL_NAME": str(checkpoint), "NIM_NUM_THREADS": "2", "NIM_KV_CACHE_DTYPE": kv_cache}
+    threads = str(TEST_THREADS)
+    base = {"NIM_MODEL_NAME": str(checkpoint), "NIM_NUM_THREADS": threads, "NIM_KV_CACHE_DTYPE": kv_cache}
     with serving(tmp_path / "tp1.log", {**base, **_profile(precision, 1)}) as server:
         alone = _greedy(server)
     with serving(tmp_path / "tp2.log", {**base, **_profile(precision, 2)}) as server:
@@ -252,7 +253,7 @@ def test_a_size_the_model_does_not_divide_is_one_line_at_start(checkpoint: Path,
     assert "tensor parallelism 3 does not divide this model's 4 attention heads" in server.log()
 
 
-torch.set_num_threads(2)
+torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

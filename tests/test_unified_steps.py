@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from service.engine.triton_support import available as triton_available
+from tests.conftest import TEST_THREADS
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton (pip install triton)")
 
@@ -18,7 +19,9 @@ def engine():
     from service.engine.torch.loading import build_engine
     from service.serving import config_for
 
-    settings = load_settings(num_threads=2, kv_cache_max_tokens=4096, max_model_len=512, dtype="float32")
+    settings = load_settings(
+        num_threads=TEST_THREADS, kv_cache_max_tokens=4096, max_model_len=512, dtype="float32"
+    )
     return build_engine(config_for(settings))
 
 
