@@ -23,7 +23,7 @@ from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
-from service.engine.torch.scripted_decode import ScriptedDecoder
+from service.engine.torch.scripted_decode import ScriptedDecoder, _routed_mlp
 from service.serving import config_for
 from tests.conftest import TEST_THREADS
 from tests.test_model_gemma3 import _hf_config as gemma3_config
@@ -155,6 +155,32 @@ def test_scripted_decode_matches_eager_bitwise(
         _assert_bitwise_alike(engine)
     finally:
         asyncio.run(engine.stop())
+
+
+def test_a_one_token_routed_mlp_runs_its_chosen_experts_without_sorting() -> None:
+    """At one token (a lone stream's decode step) `_routed_mlp` runs the token's top-k experts
+    directly: no sort, count or scatter, the same output as the grouped path gives that token."""
+    generator = torch.Generator().manual_seed(5)
+    hidden, experts, inter, top_k = 64, 8, 32, 3
+    weights = [torch.randn(experts, hidden, generator=generator)]
+    for _ in range(experts):
+        weights += [
+            torch.randn(2 * inter, hidden, generator=generator) / 8,
+            torch.randn(hidden, inter, generator=generator) / 6,
+        ]
+    count = len(weights)
+    args = ([0] * count, weights, [torch.empty(0)] * count, [None] * count, [0] * count,
+            [w.shape[0] for w in weights], [0] * count, experts, top_k, inter, True)  # fmt: skip
+    tokens = torch.randn(4, hidden, generator=generator)
+    grouped = _routed_mlp(tokens, 0, *args)
+    with torch.profiler.profile() as profile:
+        alone = [_routed_mlp(tokens[t : t + 1], 0, *args) for t in range(4)]
+    ops = {event.key for event in profile.key_averages()}
+    assert not ops & {"aten::argsort", "aten::sort", "aten::bincount", "aten::index_put_"}, ops
+    torch.testing.assert_close(torch.cat(alone), grouped, rtol=1e-5, atol=1e-5)
+    with torch.profiler.profile() as profile:
+        _routed_mlp(tokens, 0, *args)
+    assert "aten::argsort" in {event.key for event in profile.key_averages()}  # the profile sees it
 
 
 def test_scripted_decode_matches_eager_on_the_embedded_model() -> None:

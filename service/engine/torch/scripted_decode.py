@@ -15,7 +15,8 @@ routed layers included (Qwen3-MoE, Mixtral: `_routed_mlp`), and scripted_gemma.p
 Invariant: the scripted stack calls the same ops, in the same order, on the same tensors as the
 eager path (LlamaDecoderLayer, SparseMoeBlock or Gemma3DecoderLayer and their linears, KVPool.write /
 gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
-ones: batch invariance and the numerics against transformers hold unchanged
+ones (one exception, bitwise too: a one-token routed MLP runs its chosen experts without the
+grouped path's sort, `_routed_mlp`): batch invariance and the numerics against transformers hold unchanged
 (tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
 Steps with prefill chunks run eagerly. A step whose other sequences verify drafts (speculative
 decoding) is a decode-only step too: the model runner lays each verified token out as a decode row
@@ -65,7 +66,11 @@ def _routed_mlp(
     normalize: bool,
 ) -> Tensor:
     """SparseMoeBlock.forward with Experts.grouped (models/moe.py), op for op: each (token, choice)
-    a row, the rows sorted by expert, one matmul per expert with rows."""
+    a row, the rows sorted by expert, one matmul per expert with rows.
+
+    One token (a lone stream's decode step) skips the sort: its top_k experts are distinct, so each
+    has one row, the token itself; they run in choice order and their outputs stack in the order
+    the grouped loop scatters them to, the same matmuls on the same rows (bitwise the same)."""
     i = router
     logits = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
@@ -74,6 +79,18 @@ def _routed_mlp(
         chosen = chosen / chosen.sum(dim=-1, keepdim=True)
     chosen = chosen.to(x.dtype)
     tokens = x.shape[0]
+    if tokens == 1:
+        choices: list[int] = expert_ids[0].tolist()
+        per_choice: list[Tensor] = []
+        for expert in choices:
+            i = router + 1 + 2 * expert
+            gate_up = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+            activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            i += 1
+            down = linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+            per_choice.append(down)
+        weighted_choices = torch.cat(per_choice) * chosen.reshape(-1, 1)
+        return weighted_choices.view(1, top_k, -1).sum(dim=1)
     expanded = x.repeat_interleave(top_k, dim=0)
     ids = expert_ids.reshape(-1)
     order = torch.argsort(ids, stable=True)
