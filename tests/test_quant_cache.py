@@ -4,6 +4,7 @@ when corrupt (service.engine.models.quant_cache)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -55,6 +56,28 @@ def test_second_load_reads_the_cache_and_matches(bf16_dir: Path, tmp_path: Path)
     assert torch.equal(first_logits, second_logits)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_servers_sharing_the_cache_keep_each_others_entries(bf16_dir: Path, tmp_path: Path) -> None:
+    """Replicas on one cache volume: a second server quantizing the same source at the same time
+    keeps the entry the first wrote (never replaces it under a reader), and a reader that opened
+    an entry loads from it even when it is evicted meanwhile."""
+    entry = tmp_path / quant_cache.cache_key(bf16_dir, "int8_wo", {"group": 128})
+    writers = [quant_cache.Writer(entry, bf16_dir, "int8_wo") for _ in range(2)]
+    built = []
+    for writer in writers:  # both find no entry and quantize
+        _, weights = load_hf_dir(bf16_dir, "int8_wo")
+        built.append(_load(bf16_dir, writer.wrap(weights))[1])
+    writers[0].commit()
+    inode = (entry / quant_cache.WEIGHTS_FILE).stat().st_ino
+    reading = quant_cache.read(entry)
+    assert reading is not None
+    writers[1].commit()  # the entry exists: kept, this copy dropped
+    assert (entry / quant_cache.WEIGHTS_FILE).stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # no staging directory left
+    shutil.rmtree(entry)  # evicted (or discarded) by another server while this one loads
+    _, logits = _load(bf16_dir, reading)
+    assert torch.equal(logits, built[0]) and torch.equal(built[0], built[1])
 
 
 def test_a_corrupt_entry_is_detected_and_discarded(bf16_dir: Path, tmp_path: Path) -> None:

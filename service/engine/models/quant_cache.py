@@ -5,7 +5,9 @@ One entry per (source files, precision, quantization settings): a directory hold
 quantized weight as its format's tensors ``<name>::<field>``) and ``entry.json`` (the formats and
 the file's SHA-256). An entry is written atomically (a temporary directory renamed into place)
 and only after the model loaded from the stream completely; reading checks the checksum first,
-and an entry that is missing, partial or corrupt is deleted and rebuilt from the source.
+and an entry that is missing, partial or corrupt is deleted and rebuilt from the source. Servers
+may share the cache (replicas on one volume): an entry is never replaced once written (a server
+that finds one written meanwhile keeps it), and a reader maps its file before loading from it.
 """
 
 from __future__ import annotations
@@ -69,14 +71,21 @@ def read(directory: Path) -> Iterator[tuple[str, Weight]] | None:
     if not valid:
         _discard(directory, "checksum or version mismatch")
         return None
+    try:
+        # Opened (mapped) now, not when the load first iterates: the open file stays readable
+        # should another server sharing the cache replace or evict the entry meanwhile.
+        handle = safe_open(str(weights_file), framework="pt", device="cpu")
+    except OSError as error:  # gone since the checksum: another server's; this one quantizes
+        log.warning("quantized weights cache %s went away while read (%s); quantizing", directory, error)
+        return None
     log.info("quantized weights from the cache %s (checksum verified)", directory)
-    return _read_entry(weights_file, entry["formats"], entry["order"])
+    return _read_entry(handle, entry["formats"], entry["order"])
 
 
 def _read_entry(
-    weights_file: Path, formats: dict[str, dict[str, Any]], order: list[str]
+    handle: Any, formats: dict[str, dict[str, Any]], order: list[str]
 ) -> Iterator[tuple[str, Weight]]:
-    with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
+    with handle:
         for name in order:
             spec = formats.get(name)
             if spec is None:
@@ -151,9 +160,15 @@ def _write(
         entry = {"version": FORMAT_VERSION, "sha256": _sha256(staging / WEIGHTS_FILE), "formats": formats,
                  "order": order, **origin}  # fmt: skip
         (staging / ENTRY_FILE).write_text(json.dumps(entry))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
+        try:
+            os.replace(staging, directory)
+        except OSError:
+            # The entry exists: another server sharing the cache wrote it first, from the same
+            # source and settings (the key). It may be loading from it: keep it, drop this copy.
+            if not (directory / ENTRY_FILE).is_file():
+                raise
+            log.info("quantized weights cache %s was written meanwhile by another server; kept", directory)
+            return
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
