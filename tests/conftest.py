@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 # pytest-xdist (`make test` runs two workers, one per core: two workers' threads would contend
 # for the 2 cores of the target machine), two in a single pytest process.
 TEST_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
-os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))  # torch's default, read when it loads
+if TEST_THREADS == 1:
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch's default in this worker, read when torch loads
 EMBEDDED_NAME = "smollm2-135m-instruct"
 READY_TIMEOUT_S = 180
 
@@ -133,6 +134,17 @@ def wait_ready(
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"server not ready after {timeout} s:\n{server.log()}")
+
+
+@pytest.fixture(autouse=True)
+def _intra_op_threads() -> Iterator[None]:
+    """Each test leaves torch at TEST_THREADS: an engine built in process sets the process's thread
+    count (its NIM_NUM_THREADS, or every core), which would otherwise hold for the worker's later
+    modules."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ from service.engine.torch.rank_loading import (
     size_kv_cache,
 )
 from service.serving import config_for
-from tests.conftest import start_server, wait_ready
+from tests.conftest import TEST_THREADS, start_server, wait_ready
 
 H100 = SimpleNamespace(total_memory=80 * GIB, name="NVIDIA H100 80GB HBM3")
 L4 = SimpleNamespace(total_memory=23 * GIB, name="NVIDIA L4")
@@ -113,7 +113,7 @@ def test_settings_leave_unset_limits_unset(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def engine_config(**overrides: object) -> EngineConfig:
-    return config_for(load_settings(**{"num_threads": 2, "max_model_len": 512, **overrides}))
+    return config_for(load_settings(**{"num_threads": TEST_THREADS, "max_model_len": 512, **overrides}))
 
 
 def test_resolution_with_the_device_known(

@@ -23,7 +23,8 @@ intermediate dimension: a rank holds every expert's gate/up rows and down column
 routes every token itself (the router is replicated) and one all-reduce of the weighted routed sum
 completes the layer. LoRA adapts the attention projections only (`linear_layers` names no expert).
 The scripted CPU decode runs them too (`llama_stack` names each routed layer's router and
-experts; scripted_decode.py routes as `SparseMoeBlock` and `Experts.grouped` do, op for op).
+experts; scripted_decode.py routes as `SparseMoeBlock` and `Experts.grouped` do, op for op, but
+for a lone token, whose chosen experts it runs directly: the same rows, bitwise).
 """
 
 from __future__ import annotations
