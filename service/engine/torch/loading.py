@@ -135,7 +135,7 @@ def build_core(config: EngineConfig) -> TorchEngineCore:
         setup = RankSetup(
             config=config,
             size=size,
-            init_method=f"tcp://127.0.0.1:{free_local_port()}",
+            rendezvous_port=free_local_port(),
             threads=max(1, threads // size),
             log_level=root.getEffectiveLevel(),
             jsonl_logs=any(isinstance(h.formatter, JSONLinesFormatter) for h in root.handlers),

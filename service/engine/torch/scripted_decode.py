@@ -50,6 +50,25 @@ from service.engine.torch.scripted_ops import FLOAT, LinearArgs, attend, linear,
 _ROLES = ("qkv", "o", "gate_up", "down")
 
 
+def _expert_mlp(
+    rows: Tensor,  # [n, hidden], every row routed to this expert
+    i: int,  # the index of the expert's gate_up linear; its down follows
+    kinds: list[int],
+    weights: list[Tensor],
+    auxes: list[Tensor],
+    biases: list[Tensor | None],
+    groups: list[int],
+    outs: list[int],
+    pads: list[int],
+    intermediate: int,
+) -> Tensor:
+    """Experts.expert: one expert's gated MLP over its rows."""
+    gate_up = linear(rows, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+    activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    i += 1
+    return linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+
+
 def _routed_mlp(
     x: Tensor,  # [T, hidden]
     router: int,  # the index of the router's linear; expert e's gate_up and down follow at 2e + 1, 2e + 2
@@ -84,11 +103,9 @@ def _routed_mlp(
         per_choice: list[Tensor] = []
         for expert in choices:
             i = router + 1 + 2 * expert
-            gate_up = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
-            activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-            i += 1
-            down = linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
-            per_choice.append(down)
+            per_choice.append(
+                _expert_mlp(x, i, kinds, weights, auxes, biases, groups, outs, pads, intermediate)
+            )
         weighted_choices = torch.cat(per_choice) * chosen.reshape(-1, 1)
         return weighted_choices.view(1, top_k, -1).sum(dim=1)
     expanded = x.repeat_interleave(top_k, dim=0)
@@ -104,11 +121,8 @@ def _routed_mlp(
             continue
         i = router + 1 + 2 * expert
         rows = grouped[start : start + count]
-        gate_up = linear(rows, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
-        activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        i += 1
-        out[order[start : start + count]] = linear(
-            activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i]
+        out[order[start : start + count]] = _expert_mlp(
+            rows, i, kinds, weights, auxes, biases, groups, outs, pads, intermediate
         )
         start += count
     weighted = out * chosen.reshape(-1, 1)

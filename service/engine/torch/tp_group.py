@@ -40,7 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -74,7 +73,7 @@ class RankSetup:
 
     config: EngineConfig
     size: int
-    init_method: str  # torch.distributed rendezvous (tcp://127.0.0.1:port)
+    rendezvous_port: int  # the ranks meet at 127.0.0.1:port (rank 0 serves the store)
     threads: int  # CPU threads of this rank's PyTorch ops
     log_level: int
     jsonl_logs: bool
@@ -104,11 +103,9 @@ def join_group(device: torch.device, setup: RankSetup, rank: int) -> None:
     config's collective timeout. (One timeout for both failed starts whenever a rank took longer to
     start than NIM_COLLECTIVE_TIMEOUT_SECONDS.)"""
     collective = setup.config.collective_timeout_s or DEFAULT_COLLECTIVE_TIMEOUT_S
-    address = urlsplit(setup.init_method)
-    assert address.hostname is not None and address.port is not None, setup.init_method
     store = dist.TCPStore(
-        address.hostname,
-        address.port,
+        "127.0.0.1",
+        setup.rendezvous_port,
         setup.size,
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=max(collective, RENDEZVOUS_TIMEOUT_S)),
