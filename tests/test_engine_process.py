@@ -330,7 +330,9 @@ def test_the_engine_process_leaves_when_the_api_process_dies(tmp_path: Path) -> 
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(PARENT.format(settings=SETTINGS)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIM_")}
-    env.update({"PYTHONPATH": str(REPO), **PASSIVE_OPENMP})
+    # The repository ahead of what PYTHONPATH already holds (on the GPU machine: the carried wheels).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env.update({"PYTHONPATH": path, **PASSIVE_OPENMP})
     parent = subprocess.Popen(
         [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )

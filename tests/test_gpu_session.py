@@ -5,6 +5,7 @@ measured."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import device_carry  # noqa: E402  (bench/gpu/device_carry.py)
 import session  # noqa: E402  (bench/gpu/session.py)
 
 
@@ -155,3 +157,35 @@ def test_the_device_run_refuses_a_carry_folder_without_what_it_needs(tmp_path: P
     assert ("whl/*.whl" if missing == "whl" else missing) in record.detail
     run.run_phase("checkpoint", ("check",), run.checkpoint)
     assert run.phases["checkpoint"].status == "skipped"
+
+
+def test_every_module_the_device_imports_is_on_its_image_or_carried() -> None:
+    """The server, the measuring tools and `make test-gpu`'s modules import nothing that the device's
+    image lacks and no wheel carries (2026-11-28: `httpx2` stopped both servers of a lent session,
+    `openai` every API test). Without a wheel on the list, the check names it."""
+    imports = device_carry.third_party_imports(device_carry.device_files())
+    distributions = importlib.metadata.packages_distributions()
+    assert {"torch", "fastapi", "httpx2", "openai"} <= set(imports)
+    assert device_carry.uncovered(imports, distributions) == {}
+    without = [w for w in device_carry.WHEELS if w != "httpx2"]
+    missing = device_carry.uncovered(imports, distributions, wheels=without)
+    assert set(missing) == {"httpx2"} and "service/store/" in missing["httpx2"]
+
+
+def test_the_embedded_model_travels_in_two_parts_and_is_checked(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(os.urandom(100_000))
+    carry, staged, target = tmp_path / "carry", tmp_path / "staged", tmp_path / "store" / "m" / "model.gguf"
+    device_carry.split_embedded(model, carry)
+    sizes = [(carry / part / "part").stat().st_size for part in device_carry.EMBEDDED_HALVES]
+    assert sum(sizes) == 100_000 and sizes[0] < sizes[1]
+    with pytest.raises(ValueError, match="first call"):  # the second call without the first
+        device_carry.assemble_embedded(carry, target, staged)
+    assert "kept" in device_carry.keep_first_half(carry, staged)
+    (carry / "model-b" / "part").write_bytes(b"x" + (carry / "model-b" / "part").read_bytes()[1:])
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        device_carry.assemble_embedded(carry, target, staged)
+    assert not target.exists()  # a mismatch writes nothing
+    device_carry.split_embedded(model, carry)
+    assert "assembled model.gguf" in device_carry.assemble_embedded(carry, target, staged)
+    assert target.read_bytes() == model.read_bytes()

@@ -140,7 +140,8 @@ def blobs(cache: Path, repo_id: str = REPO_ID) -> Path:
 
 def spawn(hub: FakeHub, cache: Path, tmp_path: Path, revision: str = "main") -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "HUGGING_FACE" not in k}
-    env.update({"PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf-home")})
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.update({"PYTHONPATH": path, "HF_HOME": str(tmp_path / "hf-home")})
     args = {
         "repo": REPO_ID,
         "revision": revision,

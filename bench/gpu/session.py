@@ -4,18 +4,22 @@ on the CPU (what CI runs, so the device never meets a script that has not run).
     python3 bench/gpu/session.py prepare --carry DIR      # here, with PyPI: what the device lacks
     python3 bench/gpu/session.py measure --carry DIR --out OUT --commit SHA [--deadline-s 540]
     python3 bench/gpu/session.py rehearse --out OUT       # every phase on the CPU, a tiny model
+    python3 bench/gpu/session.py stage --carry DIR        # on the device, second call: the embedded model
 
 bench/gpu_session.sh wraps these (and the separate second command, `extras`).
 
 The carry folder (CARRY_FILES) holds what the device machine has not: the wheels of the service's
-dependencies that its image lacks (whl/), and the embedded model's tokenizer (tokenizer/), which the
-random checkpoint is written with. `check` refuses to go on without them, naming what is missing.
+dependencies that its image lacks (whl/, bench/gpu/device_carry.py says which and checks that list
+against every import), and the embedded model's tokenizer (tokenizer/), which the random checkpoint
+is written with. `check` refuses to go on without them, naming what is missing. `prepare` also
+splits the embedded model into model-a/ and model-b/ (one per call: a call carries at most 64 MiB):
+`check` keeps model-a on the device, `stage` (the second call) adds model-b for `make test-gpu`.
 
 Phases, in the order of their value; each gets the lesser of its own limit and the time left
 before the deadline (less a reserve for the summary and the server's cleanup), and a phase that
 needs an earlier one that failed is skipped:
 
-  check        the carry folder and the imports the server needs (after installing the wheels)
+  check        the carry folder, the wheels installed, then every module of the server imported
   checkpoint   a random Llama-3.1-8B-shape checkpoint (bf16) written with the carried tokenizer
   floor        its batch-1 weight-read floor (bench/gpu/floor.py)
   serve-bf16   our server on it, the bf16 profile pinned; its decisions read from /v1/metadata and
@@ -50,26 +54,34 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from device_carry import OPTIONAL_IMPORTS, WHEELS, assemble_embedded, keep_first_half, split_embedded
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
-# What the device machine lacks, relative to the carry folder (../shared/gpu/README.md lists its
-# image: CUDA torch, triton, transformers, tokenizers, safetensors, numpy, jinja2, pyyaml, ...).
-WHEELS = (
-    "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "pydantic-settings", "python-dotenv",
-    "annotated-types", "annotated-doc", "typing-inspection", "typing-extensions", "gguf", "opentelemetry-api",
-)  # fmt: skip
 CARRY_FILES = ("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json")
 IMPORTS = ("torch", "fastapi", "uvicorn", "pydantic_settings", "gguf", "safetensors", "tokenizers", "httpx")
-# What the server and tools import, and what the device is (run by the check phase, after the wheels).
+# What the server and tools import, and what the device is (run by the check phase, after the wheels):
+# every module of the server, so that a module the device lacks stops the session here, in seconds,
+# rather than when its first server exits.
 PROBE = """
-import importlib, json, platform
+import importlib, json, pkgutil, platform
 for name in {imports!r}:
     importlib.import_module(name)
+import service
+unimportable = {{}}
+for module in pkgutil.walk_packages(service.__path__, "service."):
+    if module.name.startswith("service.dynamo"):  # the Dynamo worker: ai-dynamo, optional
+        continue
+    try:
+        importlib.import_module(module.name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in {optional!r}:
+            unimportable[module.name] = exc.name
 import torch
 cuda = torch.cuda.is_available()
 info = {{"torch": torch.__version__, "cuda": cuda, "python": platform.python_version()}}
+info["unimportable"] = unimportable
 if cuda:
     props = torch.cuda.get_device_properties(0)
     info.update(gpu=props.name, capability=[props.major, props.minor])
@@ -258,8 +270,13 @@ class Session:
             self.command(
                 [*pip, "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], seconds
             )
-        probe = PROBE.format(imports=IMPORTS)
+        probe = PROBE.format(imports=IMPORTS, optional=sorted(OPTIONAL_IMPORTS))
         self.device = json.loads(self.command([self.python, "-c", probe], seconds).strip().splitlines()[-1])
+        if unimportable := self.device.pop("unimportable"):
+            lacking = ", ".join(sorted({f"{name} (by {module})" for module, name in unimportable.items()}))
+            raise PhaseFailed(f"the server cannot import {lacking}: add its wheel to device_carry.WHEELS")
+        if not self.rehearsal:
+            self.say(keep_first_half(self.carry))
         if not self.rehearsal and not self.device["cuda"]:
             raise PhaseFailed(f"no CUDA device visible to torch {self.device['torch']}")
         return json.dumps(self.device)
@@ -540,8 +557,12 @@ def measure(plan: Plan, carry: Path, out: Path, commit: str, python: str, rehear
 
 
 def prepare(carry: Path, python: str) -> None:
-    """The carry folder, here: the embedded tokenizer and (for the device, Python 3.12) the wheels."""
+    """The carry folder, here: the embedded tokenizer, the embedded model in two halves, and (for
+    the device, Python 3.12) the wheels, at the versions installed here where they are."""
+    from importlib.metadata import PackageNotFoundError, version
+
     export_tokenizer(carry / "tokenizer")
+    split_embedded(embedded_model(), carry)
     wheels = carry / "whl"
     wheels.mkdir(parents=True, exist_ok=True)
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28, 34)] + [
@@ -550,18 +571,45 @@ def prepare(carry: Path, python: str) -> None:
     download = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheels)]
     download += ["--python-version", "3.12", "--implementation", "cp", *platforms]
     for name in WHEELS:
-        subprocess.run([*download, name], check=True)
-    print(f"carry folder {carry}: {len(list(wheels.glob('*.whl')))} wheels, the tokenizer")
+        try:
+            pinned = f"{name}=={version(name)}"
+        except PackageNotFoundError:
+            pinned = name
+        subprocess.run([*download, pinned], check=True)
+    first = sum(f.stat().st_size for d in ("whl", "tokenizer", "model-a") for f in (carry / d).rglob("*"))
+    second = sum(f.stat().st_size for f in (carry / "model-b").rglob("*"))
+    print(f"carry folder {carry}: {len(list(wheels.glob('*.whl')))} wheels, the tokenizer, the embedded "
+          f"model in two parts; the first call carries {first / 2**20:.1f} MiB (whl, tokenizer, "
+          f"model-a), the second {second / 2**20:.1f} MiB (model-b), each beside the repository "
+          "(64 MiB a call)")  # fmt: skip
+
+
+def embedded_model() -> Path:
+    sys.path.insert(0, str(REPO))
+    from service.store.model_store import embedded_model_path
+
+    return embedded_model_path()
+
+
+def stage(carry: Path) -> None:
+    """On the device, the second call: the embedded model where the tests look for it, from the half
+    the first call kept and the half this one carries."""
+    sys.path.insert(0, str(REPO))
+    from service.store.model_store import EMBEDDED_GGUF_FILE, EMBEDDED_MODEL_NAME, REPO_MODEL_STORE
+
+    try:
+        print(assemble_embedded(carry, REPO_MODEL_STORE / EMBEDDED_MODEL_NAME / EMBEDDED_GGUF_FILE))
+    except ValueError as exc:
+        print(f"the embedded model is not staged: {exc}; the tests that load it will fail")
+        sys.exit(1)
 
 
 def export_tokenizer(out: Path) -> None:
     """The embedded model's tokenizer (tokenizer.json, tokenizer_config.json with its template)."""
-    sys.path.insert(0, str(REPO))
-    from service.store.model_store import embedded_model_path
     from service.text.tokenizer import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer.from_gguf(embedded_model_path())
+    tokenizer = Tokenizer.from_gguf(embedded_model())
     tokenizer.backend.save(str(out / "tokenizer.json"))
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -582,7 +630,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=("prepare", "measure", "rehearse"))
+    parser.add_argument("mode", choices=("prepare", "measure", "rehearse", "stage"))
     parser.add_argument("--carry", type=Path, help="the carry folder (rehearse: made under OUT)")
     parser.add_argument("--out", type=Path, help="where summary.json, session.log and the server logs go")
     parser.add_argument("--commit", help="the commit measured (the device's .git is not reliable)")
@@ -591,6 +639,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "prepare":
         prepare(args.carry, args.python)
+        return
+    if args.mode == "stage":
+        stage(args.carry)
         return
     if args.out is None:
         parser.error("--out is required")
