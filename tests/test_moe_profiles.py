@@ -88,8 +88,8 @@ def test_weights_count_every_expert(manifests, hub_id: str) -> None:
 @pytest.mark.parametrize(
     ("system_name", "hub_id", "expected", "because"),
     [
-        # fp8 runs natively on Hopper and Blackwell, but ranks below bf16 until the torch engine's fp8
-        # kernels are measured on a GPU: chosen where bf16 does not fit (the full context on one H100)
+        # fp8 runs natively on Hopper and Blackwell, but ranks below bf16 (measured slower at batch 1
+        # on Hopper, unmeasured on Blackwell): chosen where bf16 does not fit (full context, one H100)
         ("h100x1", QWEN, "torch-generic-fp8-tp1-pp1-throughput", "chosen because none of them fits"),
         ("h100x1", MIXTRAL, "torch-generic-fp8-tp1-pp1-throughput", "fp8, native"),
         ("b200x1", MIXTRAL, "torch-generic-bf16-tp1-pp1-throughput", "torch fp8 ranked below the float"),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from service.engine.precision import PRECISION_SPECS, CudaMeasurement
 from service.selection.manifests import (
     Architecture,
     ProfileError,
@@ -65,8 +66,8 @@ def test_profile_ids_are_stable_content_hashes(manifests) -> None:
     [
         ("cpu_only", "embedded", TORCH_ONLY, "torch-generic-int4_wo-tp1-pp1-throughput"),
         ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", CONTAINER, "tensorrt_llm-h100-fp8-tp1-pp1-throughput"),
-        # fp8 runs natively on Hopper, but the torch engine's fp8 kernels have not been measured on a
-        # GPU: bf16 ranks first until they are (nvfp4, emulated there, ranks below both)
+        # fp8 runs natively on Hopper, but the torch engine's fp8 kernels were measured slower than bf16
+        # at batch 1 there (H200, 2026-11-28): bf16 ranks first (nvfp4, emulated there, below both)
         ("h100x1", "meta-llama/Llama-3.1-8B-Instruct", TORCH_ONLY, "torch-generic-bf16-tp1-pp1-throughput"),
         (
             "h100x8",
@@ -254,7 +255,7 @@ def test_emulated_profiles_are_not_chosen_when_a_native_one_fits_with_a_shorter_
 def test_torch_tensor_parallel_profiles_need_that_many_gpus_with_room(manifests) -> None:
     m = manifest(manifests, "meta-llama/Llama-3.3-70B-Instruct")
     h100x8 = system("h100x8")
-    chosen = select(m, h100x8, TORCH_ONLY)  # bf16 (fp8 unmeasured on a GPU): 4 GPUs for its weights
+    chosen = select(m, h100x8, TORCH_ONLY)  # bf16 (fp8 measured slower on Hopper): 4 GPUs for its weights
     assert chosen.chosen.profile.name == "torch-generic-bf16-tp4-pp1-throughput"
     assert "on GPUs 0, 1, 2, 3" in chosen.explanation[0]
     assert "torch fp8 ranked below the float precisions" in chosen.explanation[0]
@@ -341,3 +342,30 @@ def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profil
     assert "weight-only int ranked first for latency" in latency.explanation[0]
     # With bf16 instructions int4_wo leads for either profile type.
     assert select(m, host, TORCH_ONLY).chosen.profile.precision == "int4_wo"
+
+
+def test_a_native_cuda_kernel_ranks_by_what_was_measured_on_that_compute_capability(
+    manifests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch fp8 was measured on an H200 (compute capability 9.0) slower than bf16 at batch 1: on
+    Hopper it ranks below bf16 and says the measurement; on Blackwell (10.0) it was never measured
+    and says so; a measurement that beats bf16 on a capability lets it lead there, and only there."""
+    m = manifest(manifests, "meta-llama/Llama-3.1-8B-Instruct")
+    for name in ("h100x1", "h200x1"):
+        chosen = select(m, system(name), TORCH_ONLY)
+        assert chosen.chosen.profile.name == "torch-generic-bf16-tp1-pp1-throughput"
+        assert (
+            "torch fp8 ranked below the float precisions: its CUDA kernels were measured at 0.72x"
+            in (chosen.explanation[0])
+        )
+        assert "on an H200 (compute capability 9.0; bench/results/h200-2026-11-28)" in chosen.explanation[0]
+    blackwell = select(m, system("b200x1"), TORCH_ONLY)
+    assert "not been measured on a GPU of compute capability 10.0 yet" in blackwell.explanation[0]
+    fp8 = PRECISION_SPECS["fp8"]
+    faster = CudaMeasurement((9, 0), "H200", 1.6, "bench/results/test")
+    monkeypatch.setitem(PRECISION_SPECS, "fp8", dataclasses.replace(fp8, native_cuda_measured=(faster,)))
+    chosen_on = {n: select(m, system(n), TORCH_ONLY).chosen.profile.name for n in ("h200x1", "b200x1")}
+    assert chosen_on == {
+        "h200x1": "torch-generic-fp8-tp1-pp1-throughput",
+        "b200x1": "torch-generic-bf16-tp1-pp1-throughput",
+    }

@@ -25,6 +25,27 @@ Capability = tuple[int, int]
 
 
 @dataclass(frozen=True)
+class CudaMeasurement:
+    """One GPU run of a precision's native CUDA kernel beside bf16: the same random checkpoint, the
+    same server settings and client, one session (bench/gpu_session.sh), recorded under `record`."""
+
+    capability: Capability  # the GPU's compute capability: the measurement stands for its kernels
+    gpu: str  # the card it ran on
+    vs_bf16_batch1: float  # its batch-1 output tok/s over bf16's
+    record: str  # the bench/results/ folder with the summary and the command
+
+    @property
+    def beats_bf16(self) -> bool:
+        return self.vs_bf16_batch1 > 1.0
+
+    def statement(self) -> str:
+        return (
+            f"measured at {self.vs_bf16_batch1:.2f}x bf16's tok/s at batch 1 on an {self.gpu} "
+            f"(compute capability {self.capability[0]}.{self.capability[1]}; {self.record})"
+        )
+
+
+@dataclass(frozen=True)
 class PrecisionSpec:
     """Everything the server knows about one weight precision (a profile's `precision` tag)."""
 
@@ -37,9 +58,9 @@ class PrecisionSpec:
     native_cpu: str | None = None  # quantized: the CPU kernel that computes with it, in a phrase
     native_cuda: str | None = None  # quantized: the CUDA kernel that computes with it, in a phrase
     native_cuda_capability: Capability | None = None  # the lowest compute capability `native_cuda` runs on
-    # `native_cuda` was measured on a GPU (passed `make test-gpu` and beat bf16 at batch 1 in the same
-    # run, recorded under bench/results/): until then selection ranks it below the float precisions.
-    native_cuda_measured: bool = False
+    # `native_cuda` measured on GPUs, one entry per compute capability: where it has no entry, or its
+    # entry does not beat bf16, selection ranks it below the float precisions (asked for, it runs).
+    native_cuda_measured: tuple[CudaMeasurement, ...] = ()
     runs_on_cpu: bool = True  # the torch engine computes in it on a CPU
     cpu_wants_bf16: bool = False  # fast on a CPU only with bf16 instructions (it computes in bf16)
     # Quantized weights only, activations never: NIM_DTYPE, with a profile of it named by
@@ -52,6 +73,10 @@ class PrecisionSpec:
     @property
     def quantized(self) -> bool:
         return self.storage_format is not None
+
+    def cuda_measurement(self, capability: Capability) -> CudaMeasurement | None:
+        """The measurement of `native_cuda` on GPUs of `capability`, if one was made."""
+        return next((m for m in self.native_cuda_measured if m.capability == capability), None)
 
     def min_capability(self, engine: str) -> Capability | None:
         """The lowest compute capability `engine` ("torch" or "tensorrt_llm") runs this precision on."""
@@ -88,7 +113,9 @@ SPECS: tuple[PrecisionSpec, ...] = (
         quantized_at_load=True,
         native_cuda="e4m3 tensor cores",  # torch._scaled_mm on e4m3
         native_cuda_capability=(8, 9),
-        native_cuda_measured=False,  # never run on a GPU yet (issue 28): ranked below bf16 until it is
+        # torch._scaled_mm with each activation quantized per call: correct (its start-up check agreed
+        # with the dequantized matmul), but slower than bf16 at batch 1 on Hopper (120 vs 168 tok/s).
+        native_cuda_measured=(CudaMeasurement((9, 0), "H200", 0.72, "bench/results/h200-2026-11-28"),),
         trtllm=True,
         trtllm_min_capability=(8, 9),
     ),

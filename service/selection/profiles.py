@@ -261,24 +261,33 @@ def _slow_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
     return not (spec.weight_only and policy.profile_type == "latency")
 
 
-def _unmeasured_here(verdict: Verdict, system: SystemInfo) -> bool:
-    """The torch engine would run the profile's precision through a native CUDA kernel that has not
-    been measured on a GPU (PrecisionSpec.native_cuda_measured): selection ranks it last, below the
-    float precisions, until a GPU run shows it correct and faster than bf16. Asked for, it runs."""
+def _cuda_demotion(verdict: Verdict, system: SystemInfo) -> str | None:
+    """Why selection ranks the profile last, below the float precisions, if it does: the torch engine
+    would run its precision through a native CUDA kernel that was not measured on GPUs of this
+    compute capability, or was and lost to bf16 there (PrecisionSpec.native_cuda_measured). Asked
+    for by NIM_MODEL_PROFILE, it runs."""
     spec = PRECISION_SPECS[verdict.profile.precision]
-    return (
-        bool(system.gpus)
+    if not (
+        system.gpus
         and verdict.profile.llm_engine == "torch"
         and verdict.mode == "native"
         and spec.native_cuda is not None
-        and not spec.native_cuda_measured
-    )
+    ):
+        return None
+    capability = system.gpus[0].compute_capability
+    measured = spec.cuda_measurement(capability)
+    if measured is None:
+        return (
+            f"its CUDA kernels have not been measured on a GPU of compute capability "
+            f"{capability[0]}.{capability[1]} yet"
+        )
+    return None if measured.beats_bf16 else f"its CUDA kernels were {measured.statement()}"
 
 
 def rank_key(verdict: Verdict, system: SystemInfo, policy: Policy) -> tuple:
     p = verdict.profile
     family = system.gpus[0].family if system.gpus else "cpu"
-    last = _slow_here(p, system, policy) or _unmeasured_here(verdict, system)
+    last = _slow_here(p, system, policy) or _cuda_demotion(verdict, system) is not None
     precision_rank = len(PRECISIONS) if last else PRECISIONS.index(p.precision)
     tp_rank = p.tp if policy.profile_type == "throughput" else -p.tp
     return (
@@ -402,17 +411,15 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo,
         )
     if not system.gpus and policy.profile_type == "latency" and PRECISION_SPECS[p.precision].weight_only:
         parts.append("weight-only int ranked first for latency: measured 2x fp32 at batch 1 on such CPUs")
-    unmeasured = sorted({v.profile.precision for v in runnable if _unmeasured_here(v, system)})
-    if _unmeasured_here(chosen, system):
-        parts.append(
-            "its CUDA kernels have not been measured on a GPU yet: ranked below the float precisions, "
-            "chosen because none of them fits here"
-        )
-    elif unmeasured:
-        parts.append(
-            f"torch {', '.join(unmeasured)} ranked below the float precisions: its CUDA kernels have not "
-            "been measured on a GPU yet (select it by NIM_MODEL_PROFILE to run it)"
-        )
+    demotions = {v.profile.precision: why for v in runnable if (why := _cuda_demotion(v, system))}
+    if (why := _cuda_demotion(chosen, system)) is not None:
+        parts.append(f"{why}: ranked below the float precisions, chosen because none of them fits here")
+    else:
+        parts += [
+            f"torch {precision} ranked below the float precisions: {why} (select it by NIM_MODEL_PROFILE "
+            "to run it)"
+            for precision, why in sorted(demotions.items())
+        ]
     if len(runnable) > 1:
         parts.append(f"{len(runnable) - 1} other compatible profile(s) ranked lower")
     return "; ".join(parts)
