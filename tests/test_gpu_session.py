@@ -43,6 +43,11 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
         assert all(v > 0 for v in summary[key].values())
     assert summary[f"ours_8b_sampled_c{plan.sampled}_tok_s"] > 0
     assert summary[f"ours_8b_fp8_c{plan.fp8}_tok_s"] > 0
+    # The server's own account of each load, from its /metrics before and after it.
+    for c in plan.greedy:
+        account = summary["server_metrics"]["greedy"][str(c)]
+        assert account["steps"] > 0 and account["step_ms_mean"] > 0 and account["itl_ms_mean"] > 0
+        assert 0 < account["engine_busy_share"] <= 1 and account["tokens_per_step"] >= 1
     # What each server decided, from /v1/metadata and its log.
     bf16, fp8 = summary["decisions"]["bf16"], summary["decisions"]["fp8"]
     assert bf16["profile"] == session.BF16_PROFILE and fp8["profile"] == session.FP8_PROFILE

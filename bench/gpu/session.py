@@ -25,7 +25,9 @@ needs an earlier one that failed is skipped:
   serve-bf16   our server on it, the bf16 profile pinned; its decisions read from /v1/metadata and
                its log (attention path and why, graphs captured, KV pool, step capacity, profile)
   greedy       streaming chat, greedy, ignore_eos, at each greedy concurrency (bench/compare_llama.py,
-               attached; it writes its document after every run)
+               one call per concurrency), with the server's account of each from its /metrics before
+               and after (engine steps: count, mean time, tokens, busy share; mean queue, prefill,
+               TTFT and ITL as the server saw them): a slow step and time lost on the way out differ
   sampled      the same at the sampled concurrency, temperature 0.8, top_p 0.95, same server
   serve-fp8    the fp8 profile (quantized at load), then its load at the fp8 concurrency (fp8)
 
@@ -171,6 +173,7 @@ class Session:
         self.phases: dict[str, PhaseRecord] = {}
         self.loads: dict[str, dict[str, Any]] = {}  # compare_llama documents by phase
         self.floor: dict[str, Any] | None = None
+        self.server_metrics: dict[str, dict[str, dict[str, float | None]]] = {}  # load -> c -> figures
         self.device: dict[str, Any] = {}
         self.servers: dict[str, Server] = {}
         self.log_file = (out / "session.log").open("a")
@@ -215,7 +218,7 @@ class Session:
                 self.phases[name] = PhaseRecord("ok", time.monotonic() - started, detail)
             except subprocess.TimeoutExpired as exc:
                 self.phases[name] = PhaseRecord(
-                    "timeout", time.monotonic() - started, f"cut at {exc.timeout:.0f} s"
+                    "timeout", time.monotonic() - started, f"cut at {budget:.0f} s, the phase's time"
                 )
             except PhaseFailed as exc:
                 self.phases[name] = PhaseRecord("failed", time.monotonic() - started, str(exc))
@@ -348,24 +351,39 @@ class Session:
     def load(
         self, name: str, server: str, concurrency: tuple[int, ...], seconds: float, **sampling: float
     ) -> str:
+        """compare_llama at each concurrency in turn (one call each, within `seconds` in all), with the
+        server's own account of each (`server_metrics`: /metrics before and after)."""
         url = self.servers[server].url
-        document = self.work / f"load-{name}.json"
-        document.unlink(missing_ok=True)
-        args = [
-            self.python, str(BENCH / "compare_llama.py"), "--ours-only", "--ours-url", url,
-            "--ours-model", str(self.checkpoint_dir), "--ctx", str(self.plan.ctx),
-            "--input-words", str(self.plan.input_words), "--output-len", str(self.plan.output_len),
-            "--rounds", str(self.plan.rounds), "--warmup", str(self.plan.warmup),
-            "--concurrency", *map(str, concurrency), "--out", str(document),
-        ]  # fmt: skip
-        for key, value in sampling.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
-        try:
-            self.command(args, seconds, log=self.work / f"load-{name}.log")
-        finally:  # whatever it wrote before a failure or the deadline
-            if document.is_file():
-                self.loads[name] = json.loads(document.read_text())
-        medians = self.loads.get(name, {}).get("median", {})
+        deadline = time.monotonic() + seconds
+        merged: dict[str, Any] = {"median": {}, "errors": 0, "complete": False, "commands": []}
+        self.loads[name] = merged
+        for c in concurrency:
+            document = self.work / f"load-{name}-c{c}.json"
+            document.unlink(missing_ok=True)
+            args = [
+                self.python, str(BENCH / "compare_llama.py"), "--ours-only", "--ours-url", url,
+                "--ours-model", str(self.checkpoint_dir), "--ctx", str(self.plan.ctx),
+                "--input-words", str(self.plan.input_words), "--output-len", str(self.plan.output_len),
+                "--rounds", str(self.plan.rounds), "--warmup", str(self.plan.warmup),
+                "--concurrency", str(c), "--out", str(document),
+            ]  # fmt: skip
+            for key, value in sampling.items():
+                args += [f"--{key.replace('_', '-')}", str(value)]
+            before, started = scrape(url), time.monotonic()
+            try:
+                self.command(args, deadline - time.monotonic(), log=self.work / f"load-{name}.log")
+            finally:  # whatever it wrote before a failure or the deadline
+                if document.is_file():
+                    figures = json.loads(document.read_text())
+                    merged["median"].update(figures.get("median", {}))
+                    merged["errors"] += figures.get("errors", 0)
+                    merged["commands"].append(figures.get("command"))
+                after = scrape(url)
+                self.server_metrics.setdefault(name, {})[str(c)] = engine_account(
+                    before, after, time.monotonic() - started
+                )
+        merged["complete"] = True
+        medians = merged["median"]
         return "; ".join(f"c={c}: {m['ours']['output_tok_per_s']:.0f} tok/s" for c, m in medians.items())
 
     def stop(self, name: str) -> None:
@@ -417,7 +435,8 @@ class Session:
             "phases": {name: asdict(record) for name, record in self.phases.items()},
             "decisions": {name: server.decisions for name, server in self.servers.items()},
             "plan": asdict(plan),
-            "commands": {name: document.get("command") for name, document in self.loads.items()},
+            "server_metrics": self.server_metrics,
+            "commands": {name: document.get("commands") for name, document in self.loads.items()},
             "elapsed_s": round(time.monotonic() - self.started, 1),
         }
         if not self.rehearsal:
@@ -443,6 +462,63 @@ def targets(summary: dict[str, Any], plan: Plan) -> dict[str, bool]:
 
 
 # --- Processes -----------------------------------------------------------------------------------------
+
+
+# The server's histograms read around each load (sums and counts summed over their label sets).
+ACCOUNT = {
+    "step": "nim_engine_step_duration_seconds",
+    "step_tokens": "vllm:iteration_tokens_total",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {sample name: value summed over labels} ({} if it cannot be read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        with contextlib.suppress(ValueError):
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def engine_account(
+    before: dict[str, float], after: dict[str, float], wall_s: float
+) -> dict[str, float | None]:
+    """What the server says of one load: its engine's steps (how many, mean time, tokens each, the
+    share of the wall time spent stepping), and its requests' mean queue, prefill, TTFT and ITL, as
+    the server measured them. Beside the client's figures this tells a slow engine step from time
+    lost between the engine and the socket."""
+
+    def delta(metric: str, part: str) -> float:
+        return after.get(f"{metric}_{part}", 0.0) - before.get(f"{metric}_{part}", 0.0)
+
+    def mean(key: str, scale: float = 1000.0) -> float | None:
+        count = delta(ACCOUNT[key], "count")
+        return round(delta(ACCOUNT[key], "sum") / count * scale, 3) if count else None
+
+    steps = delta(ACCOUNT["step"], "count")
+    return {
+        "wall_s": round(wall_s, 2),
+        "steps": steps,
+        "step_ms_mean": mean("step"),
+        "tokens_per_step": mean("step_tokens", scale=1.0),
+        "engine_busy_share": round(delta(ACCOUNT["step"], "sum") / wall_s, 3) if wall_s else None,
+        "queue_ms_mean": mean("queue"),
+        "prefill_ms_mean": mean("prefill"),
+        "ttft_ms_mean": mean("ttft"),
+        "itl_ms_mean": mean("itl"),
+    }
 
 
 def descendants(pid: int) -> list[int]:
