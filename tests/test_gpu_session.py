@@ -35,7 +35,7 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
     plan = session.REHEARSAL_PLAN
     assert summary["errors"] == [] and summary["rehearsal"] is True
     assert set(summary["phases"]) == {"check", "checkpoint", "floor", "serve-bf16", "greedy", "sampled",
-                                      "serve-fp8", "fp8"}  # fmt: skip
+                                      "serve-fp8", "fp8", "prefill"}  # fmt: skip
     assert all(phase["status"] == "ok" for phase in summary["phases"].values())
     assert summary["floor_8b_tok_s"] > 0
     for key in ("ours_8b_tok_s", "ours_8b_itl_p50_ms", "ours_8b_ttft_p50_ms"):
@@ -48,6 +48,11 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
         account = summary["server_metrics"]["greedy"][str(c)]
         assert account["steps"] > 0 and account["step_ms_mean"] > 0 and account["itl_ms_mean"] > 0
         assert 0 < account["engine_busy_share"] <= 1 and account["tokens_per_step"] >= 1
+    # The prefill profile: every prompt token went through timed steps.
+    prefill = summary["prefill_profile"]
+    assert prefill["prompt_tokens"] == plan.prefill_prompts * plan.prefill_input_len
+    assert sum(step["tokens"] for step in prefill["steps"]) >= prefill["prompt_tokens"]
+    assert prefill["prefill_step_ms_median"] > 0 and 0 < prefill["forward_share_of_steps"] <= 1
     # What each server decided, from /v1/metadata and its log.
     bf16, fp8 = summary["decisions"]["bf16"], summary["decisions"]["fp8"]
     assert bf16["profile"] == session.BF16_PROFILE and fp8["profile"] == session.FP8_PROFILE
@@ -116,7 +121,8 @@ def test_a_phase_cut_by_its_deadline_keeps_the_figures_it_measured(tmp_path: Pat
     try:
         plan = session.Plan(
             shape="tiny", ctx=256, input_words=5, output_len=3, greedy=(1, 2), sampled=2, fp8=1,
-            deadline_s=120, max_num_seqs=2, limits={"greedy": 12}, warmup=1,
+            deadline_s=120, max_num_seqs=2, prefill_prompts=1, prefill_input_len=5, limits={"greedy": 12},
+            warmup=1,
         )  # fmt: skip
         out = tmp_path / "out"
         out.mkdir()

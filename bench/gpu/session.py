@@ -30,6 +30,9 @@ needs an earlier one that failed is skipped:
                TTFT and ITL as the server saw them): a slow step and time lost on the way out differ
   sampled      the same at the sampled concurrency, temperature 0.8, top_p 0.95, same server
   serve-fp8    the fp8 profile (quantized at load), then its load at the fp8 concurrency (fp8)
+  prefill      in process, the bf16 engine: the steps that prefill `prefill_prompts` prompts at once,
+               timed one by one and under torch.profiler, with the kernels that take the GPU's time
+               (bench/gpu/prefill_profile.py)
 
 A server is stopped by its whole process tree (the engine process has a session of its own):
 SIGTERM to each, then SIGKILL after a grace; then the port must be free and, on a GPU, nvidia-smi
@@ -121,21 +124,24 @@ class Plan:
     deadline_s: float
     limits: dict[str, float]  # per phase
     max_num_seqs: int
+    prefill_prompts: int  # the prefill profile's prompts (of about the loads' prompt length)
+    prefill_input_len: int
+    prefill_batched_tokens: int | None = None  # None: the server's default for the device
     rounds: int = 1
     warmup: int = 2
 
 
 DEVICE_PLAN = Plan(
     shape="8b", ctx=1024, input_words=200, output_len=256, greedy=(1, 64, 256), sampled=256, fp8=1,
-    deadline_s=540, max_num_seqs=256,
+    deadline_s=540, max_num_seqs=256, prefill_prompts=64, prefill_input_len=256,
     limits={"check": 90, "checkpoint": 90, "floor": 60, "serve-bf16": 180, "greedy": 240, "sampled": 90,
-            "serve-fp8": 180, "fp8": 60},
+            "serve-fp8": 180, "fp8": 60, "prefill": 90},
 )  # fmt: skip
 REHEARSAL_PLAN = Plan(
     shape="tiny", ctx=256, input_words=40, output_len=24, greedy=(1, 4), sampled=4, fp8=1,
-    deadline_s=170, max_num_seqs=8,
+    deadline_s=170, max_num_seqs=8, prefill_prompts=4, prefill_input_len=40, prefill_batched_tokens=64,
     limits={"check": 30, "checkpoint": 30, "floor": 30, "serve-bf16": 60, "greedy": 40, "sampled": 20,
-            "serve-fp8": 60, "fp8": 20},
+            "serve-fp8": 60, "fp8": 20, "prefill": 30},
 )  # fmt: skip
 
 
@@ -173,6 +179,7 @@ class Session:
         self.phases: dict[str, PhaseRecord] = {}
         self.loads: dict[str, dict[str, Any]] = {}  # compare_llama documents by phase
         self.floor: dict[str, Any] | None = None
+        self.prefill: dict[str, Any] | None = None
         self.server_metrics: dict[str, dict[str, dict[str, float | None]]] = {}  # load -> c -> figures
         self.device: dict[str, Any] = {}
         self.servers: dict[str, Server] = {}
@@ -216,7 +223,7 @@ class Session:
             try:
                 detail = body(budget)
                 self.phases[name] = PhaseRecord("ok", time.monotonic() - started, detail)
-            except subprocess.TimeoutExpired as exc:
+            except subprocess.TimeoutExpired:
                 self.phases[name] = PhaseRecord(
                     "timeout", time.monotonic() - started, f"cut at {budget:.0f} s, the phase's time"
                 )
@@ -305,6 +312,19 @@ class Session:
         ]
         line = self.command(args, seconds).strip().splitlines()[-1]
         self.floor = json.loads(figures.read_text())
+        return line
+
+    def prefill_phase(self, seconds: float) -> str:
+        figures = self.work / "prefill.json"
+        plan = self.plan
+        args = [self.python, str(BENCH / "gpu" / "prefill_profile.py"), str(self.checkpoint_dir),
+                "--profile", BF16_PROFILE, "--prompts", str(plan.prefill_prompts),
+                "--input-len", str(plan.prefill_input_len), "--max-model-len", str(plan.ctx),
+                "--json", str(figures)]  # fmt: skip
+        if plan.prefill_batched_tokens:
+            args += ["--max-batched-tokens", str(plan.prefill_batched_tokens)]
+        line = self.command(args, seconds, log=self.work / "prefill.log").strip().splitlines()[-1]
+        self.prefill = json.loads(figures.read_text())
         return line
 
     def serve(self, name: str, profile: str, seconds: float) -> str:
@@ -436,6 +456,7 @@ class Session:
             "decisions": {name: server.decisions for name, server in self.servers.items()},
             "plan": asdict(plan),
             "server_metrics": self.server_metrics,
+            "prefill_profile": self.prefill,
             "commands": {name: document.get("commands") for name, document in self.loads.items()},
             "elapsed_s": round(time.monotonic() - self.started, 1),
         }
@@ -622,6 +643,8 @@ def measure(plan: Plan, carry: Path, out: Path, commit: str, python: str, rehear
         session.stop("bf16")
         session.run_phase("serve-fp8", ("checkpoint",), lambda s: session.serve("fp8", FP8_PROFILE, s))
         session.run_phase("fp8", ("serve-fp8",), lambda s: session.load("fp8", "fp8", (plan.fp8,), s))
+        session.stop("fp8")
+        session.run_phase("prefill", ("checkpoint",), session.prefill_phase)
     finally:
         for name in list(session.servers):
             session.stop(name)
