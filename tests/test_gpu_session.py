@@ -35,7 +35,7 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
     plan = session.REHEARSAL_PLAN
     assert summary["errors"] == [] and summary["rehearsal"] is True
     assert set(summary["phases"]) == {"check", "checkpoint", "floor", "serve-bf16", "greedy", "sampled",
-                                      "serve-fp8", "fp8", "prefill"}  # fmt: skip
+                                      "serve-fp8", "fp8", "serve-fused", "fused", "prefill"}  # fmt: skip
     assert all(phase["status"] == "ok" for phase in summary["phases"].values())
     assert summary["floor_8b_tok_s"] > 0
     for key in ("ours_8b_tok_s", "ours_8b_itl_p50_ms", "ours_8b_ttft_p50_ms"):
@@ -43,6 +43,7 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
         assert all(v > 0 for v in summary[key].values())
     assert summary[f"ours_8b_sampled_c{plan.sampled}_tok_s"] > 0
     assert summary[f"ours_8b_fp8_c{plan.fp8}_tok_s"] > 0
+    assert all(v > 0 for v in summary["ours_8b_fused_tok_s"].values())  # served unfused on the CPU
     # The server's own account of each load, from its /metrics before and after it.
     for c in plan.greedy:
         account = summary["server_metrics"]["greedy"][str(c)]
@@ -59,7 +60,8 @@ def test_the_rehearsal_runs_every_phase_and_writes_the_summary(tmp_path: Path) -
     assert fp8["runtime"]["weight_precision"] == "fp8" and fp8["runtime"]["precision_mode"] == "emulated"
     assert set(bf16["execution_paths"]) >= {"unified_attention", "cuda_graphs", "engine_process"}
     assert any("KV cache" in line for line in bf16["log"])
-    returned = {"summary.json", "session.log", "server-bf16.log", "server-fp8.log", "carry"}
+    servers = {f"server-{name}.log" for name in ("bf16", "fp8", "fused")}
+    returned = {"summary.json", "session.log", "carry", *servers}
     assert {p.name for p in out.iterdir()} <= returned  # fewer than the 8 files a device call returns
     # Nothing it started is left running.
     assert not [line for line in _processes() if str(tmp_path) in line]
@@ -121,8 +123,8 @@ def test_a_phase_cut_by_its_deadline_keeps_the_figures_it_measured(tmp_path: Pat
     try:
         plan = session.Plan(
             shape="tiny", ctx=256, input_words=5, output_len=3, greedy=(1, 2), sampled=2, fp8=1,
-            deadline_s=120, max_num_seqs=2, prefill_prompts=1, prefill_input_len=5, limits={"greedy": 12},
-            warmup=1,
+            deadline_s=120, max_num_seqs=2, prefill_prompts=1, prefill_input_len=5, fused=(1,),
+            limits={"greedy": 12}, warmup=1,
         )  # fmt: skip
         out = tmp_path / "out"
         out.mkdir()

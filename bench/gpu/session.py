@@ -30,6 +30,9 @@ needs an earlier one that failed is skipped:
                TTFT and ITL as the server saw them): a slow step and time lost on the way out differ
   sampled      the same at the sampled concurrency, temperature 0.8, top_p 0.95, same server
   serve-fp8    the fp8 profile (quantized at load), then its load at the fp8 concurrency (fp8)
+  serve-fused  the bf16 profile again with NIM_FUSED_KERNELS=1 (the Triton norm/RoPE/SiLU kernels, off
+               by default until a GPU run shows them faster; the CPU rehearsal cannot turn them on and
+               serves without), then its load at the fused concurrencies (fused)
   prefill      in process, the bf16 engine: the steps that prefill `prefill_prompts` prompts at once,
                timed one by one and under torch.profiler, with the kernels that take the GPU's time
                (bench/gpu/prefill_profile.py)
@@ -126,22 +129,25 @@ class Plan:
     max_num_seqs: int
     prefill_prompts: int  # the prefill profile's prompts (of about the loads' prompt length)
     prefill_input_len: int
+    fused: tuple[int, ...]  # the fused-kernels server's concurrencies
     prefill_batched_tokens: int | None = None  # None: the server's default for the device
+    fused_env: bool = True  # NIM_FUSED_KERNELS=1 on the fused server (CUDA only: the rehearsal cannot)
     rounds: int = 1
     warmup: int = 2
 
 
 DEVICE_PLAN = Plan(
     shape="8b", ctx=1024, input_words=200, output_len=256, greedy=(1, 64, 256), sampled=256, fp8=1,
-    deadline_s=540, max_num_seqs=256, prefill_prompts=64, prefill_input_len=256,
+    deadline_s=540, max_num_seqs=256, prefill_prompts=64, prefill_input_len=256, fused=(1, 64),
     limits={"check": 90, "checkpoint": 90, "floor": 60, "serve-bf16": 180, "greedy": 240, "sampled": 90,
-            "serve-fp8": 180, "fp8": 60, "prefill": 90},
+            "serve-fp8": 180, "fp8": 60, "serve-fused": 120, "fused": 60, "prefill": 90},
 )  # fmt: skip
 REHEARSAL_PLAN = Plan(
     shape="tiny", ctx=256, input_words=40, output_len=24, greedy=(1, 4), sampled=4, fp8=1,
     deadline_s=170, max_num_seqs=8, prefill_prompts=4, prefill_input_len=40, prefill_batched_tokens=64,
+    fused=(1,), fused_env=False,
     limits={"check": 30, "checkpoint": 30, "floor": 30, "serve-bf16": 60, "greedy": 40, "sampled": 20,
-            "serve-fp8": 60, "fp8": 20, "prefill": 30},
+            "serve-fp8": 60, "fp8": 20, "serve-fused": 60, "fused": 20, "prefill": 30},
 )  # fmt: skip
 
 
@@ -327,7 +333,7 @@ class Session:
         self.prefill = json.loads(figures.read_text())
         return line
 
-    def serve(self, name: str, profile: str, seconds: float) -> str:
+    def serve(self, name: str, profile: str, seconds: float, **settings: str) -> str:
         port = free_port()
         log = self.out / f"server-{name}.log"
         env = self.env(
@@ -336,6 +342,7 @@ class Session:
             NIM_MAX_MODEL_LEN=str(self.plan.ctx),
             NIM_MAX_NUM_SEQS=str(self.plan.max_num_seqs),
             NIM_LOG_LEVEL="INFO",
+            **settings,
         )
         with log.open("wb") as output:
             process = subprocess.Popen(
@@ -426,6 +433,7 @@ class Session:
         bf16 = self.loads.get("greedy", {})
         sampled = self.loads.get("sampled", {})
         fp8 = self.loads.get("fp8", {})
+        fused = self.loads.get("fused", {})
 
         def ours(document: dict[str, Any], c: int, metric: str) -> float | None:
             value = document.get("median", {}).get(str(c), {}).get("ours", {}).get(metric)
@@ -451,6 +459,8 @@ class Session:
             "ours_8b_ttft_p50_ms": {str(c): ours(bf16, c, "ttft_p50_ms") for c in plan.greedy},
             f"ours_8b_sampled_c{plan.sampled}_tok_s": ours(sampled, plan.sampled, "output_tok_per_s"),
             f"ours_8b_fp8_c{plan.fp8}_tok_s": ours(fp8, plan.fp8, "output_tok_per_s"),
+            "ours_8b_fused_tok_s": {str(c): ours(fused, c, "output_tok_per_s") for c in plan.fused},
+            "ours_8b_fused_itl_p50_ms": {str(c): ours(fused, c, "itl_p50_ms") for c in plan.fused},
             "errors": errors,
             "phases": {name: asdict(record) for name, record in self.phases.items()},
             "decisions": {name: server.decisions for name, server in self.servers.items()},
@@ -644,6 +654,12 @@ def measure(plan: Plan, carry: Path, out: Path, commit: str, python: str, rehear
         session.run_phase("serve-fp8", ("checkpoint",), lambda s: session.serve("fp8", FP8_PROFILE, s))
         session.run_phase("fp8", ("serve-fp8",), lambda s: session.load("fp8", "fp8", (plan.fp8,), s))
         session.stop("fp8")
+        fused = {"NIM_FUSED_KERNELS": "1"} if plan.fused_env else {}
+        session.run_phase(
+            "serve-fused", ("checkpoint",), lambda s: session.serve("fused", BF16_PROFILE, s, **fused)
+        )
+        session.run_phase("fused", ("serve-fused",), lambda s: session.load("fused", "fused", plan.fused, s))
+        session.stop("fused")
         session.run_phase("prefill", ("checkpoint",), session.prefill_phase)
     finally:
         for name in list(session.servers):
