@@ -240,6 +240,83 @@ def test_check_refusals_come_from_the_engine_process(engine: ProcessEngine, toke
     assert engine.ready  # a refused request harms nothing
 
 
+# Injected into the engine process: while TEST_STEP_GATE/hold exists, the next step is held open
+# (before it runs) until TEST_STEP_GATE/release appears, at most 20 s; `held` and `ended` mark it.
+# And the check of a request with the id "broken-check" fails unexpectedly.
+HELD_STEP = """
+import os, time
+from pathlib import Path
+from service.engine.torch import core as torch_core
+
+_step = torch_core.TorchEngineCore.step
+GATE = Path(os.environ["TEST_STEP_GATE"])
+
+
+def step(self):
+    if (GATE / "hold").exists() and not (GATE / "held").exists():
+        (GATE / "held").touch()
+        deadline = time.monotonic() + 20
+        while not (GATE / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (GATE / "ended").touch()
+    return _step(self)
+
+
+torch_core.TorchEngineCore.step = step
+_prepare = torch_core.TorchEngineCore.prepare
+
+
+def prepare(self, request):
+    if request.request_id == "broken-check":
+        raise RuntimeError("injected fault in a check")
+    return _prepare(self, request)
+
+
+torch_core.TorchEngineCore.prepare = prepare
+"""
+
+
+def test_a_check_is_answered_while_a_step_is_in_progress(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """The engine process answers checks on its reader thread, not between steps: a request that
+    arrives during a long step (on a GPU an 8192-token prefill step takes ~0.2 s) is not held a
+    whole step before its Submit is even sent. Here a step is held open until the check returns. A
+    check that fails unexpectedly fails its own request; the engine serves on."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(HELD_STEP)
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    with mock.patch.dict(os.environ, {"PYTHONPATH": path, "TEST_STEP_GATE": str(gate)}):
+        engine = start_process_engine()
+    prompt = tokenizer.encode("Hold on")
+
+    async def run() -> tuple[bool, list[RequestOutput]]:
+        (gate / "hold").touch()
+
+        async def collect() -> list[RequestOutput]:
+            return [out async for out in engine.generate(request("held", prompt, max_tokens=2))]
+
+        held = asyncio.ensure_future(collect())
+        while not (gate / "held").exists():
+            await asyncio.sleep(0.01)
+        await engine.check(request("arriving", prompt))
+        answered_during_the_step = not (gate / "ended").exists()
+        (gate / "release").touch()
+        return answered_during_the_step, await held
+
+    try:
+        answered_during_the_step, outputs = asyncio.run(run())
+        assert answered_during_the_step
+        assert outputs[-1].finish_reason == "length" and len(tokens(outputs)) == 2
+        with pytest.raises(RequestRefusedError, match="LoRA adapter 'nope' requested"):  # refusals too
+            asyncio.run(engine.check(dataclasses.replace(request("a", prompt), adapter="nope")))
+        with pytest.raises(RuntimeError, match="injected fault in a check"):  # fails that request alone
+            asyncio.run(engine.check(request("broken-check", prompt)))
+        assert engine.ready and tokens(run_all(engine, [request("after", prompt, max_tokens=2)])["after"])
+    finally:
+        asyncio.run(engine.stop())
+
+
 def test_a_duplicate_request_id_fails_alone(engine: ProcessEngine, tokenizer: Tokenizer) -> None:
     prompt = tokenizer.encode("Twice")
 

@@ -96,7 +96,9 @@ class EngineCore(Protocol):
 
     def prepare(self, request: GenerationRequest) -> PendingCompile | None:
         """Refuse `request` at once (RequestRefusedError, one line) for what this core cannot run,
-        or return the compile its constraint needs first (None: nothing to wait for)."""
+        or return the compile its constraint needs first (None: nothing to wait for). Called from
+        any thread, while the driving thread steps: it reads what the request needs, never the
+        scheduler's state."""
         ...
 
     def add_request(self, request: GenerationRequest) -> list[RequestOutput]: ...
