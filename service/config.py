@@ -293,12 +293,13 @@ class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSetti
         "a start-up check of every launch shape agrees with the gathered attention (else they gather, "
         "with a log line); off: they always gather the cache blocks.",
     )
-    fp8_scaled_mm: Literal["auto", "off"] = Field(
+    fp8_scaled_mm: Literal["auto", "scaled-mm", "off"] = Field(
         "auto",
         validation_alias=_env("NIM_FP8_SCALED_MM"),
-        description="fp8 profiles on GPUs of compute capability 8.9+: auto runs torch._scaled_mm once a "
-        "start-up check of every layer shape against the dequantized matmul passes (else emulated, with "
-        "a log line); off: emulated (weights dequantized for each matmul).",
+        description="fp8 profiles on GPUs of compute capability 8.9+: auto runs torch._scaled_mm, and steps "
+        "of at most 16 rows through a Triton fp8 rows kernel, each once a start-up check against the "
+        "dequantized matmul passes (else the next path, with a log line); scaled-mm: _scaled_mm at every "
+        "size; off: emulated (weights dequantized for each matmul).",
     )
     compact_logits: Literal["auto", "off"] = Field(
         "auto",

@@ -19,6 +19,7 @@ from service.engine.models.base import CausalLM
 from service.engine.torch import decode_path
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
 from service.engine.torch.startup_checks import (
+    check_fp8_rows_kernel,
     check_fp8_scaled_mm,
     check_fused_kernels,
     check_unified_attention,
@@ -181,10 +182,12 @@ def _fp8_layers() -> _Layers:
     return _Layers(layers)
 
 
-def _fp8_config(scaled_mm: bool) -> SimpleNamespace:
+def _fp8_config(scaled_mm: bool, rows_kernel: bool = True) -> SimpleNamespace:
     """What _fp8_path reads of an EngineConfig."""
     budget = SimpleNamespace(max_num_batched_tokens=64)
-    return SimpleNamespace(precision="fp8", fp8_scaled_mm=scaled_mm, scheduler=budget)
+    return SimpleNamespace(
+        precision="fp8", fp8_scaled_mm=scaled_mm, fp8_rows_kernel=rows_kernel, scheduler=budget
+    )
 
 
 def test_the_fp8_check_passes_scaled_mm_at_every_token_count() -> None:
@@ -214,9 +217,7 @@ def test_a_wrong_scaled_mm_falls_back_to_the_emulated_layers(
         why = check_fp8_scaled_mm(model, 64)
     assert why is not None and "16 x 64 -> 48" in why and "relative error" in why
 
-    config = SimpleNamespace(
-        precision="fp8", fp8_scaled_mm=True, scheduler=SimpleNamespace(max_num_batched_tokens=64)
-    )
+    config = _fp8_config(scaled_mm=True)
     with caplog.at_level(logging.WARNING, logger=rank_loading.__name__), torch.inference_mode():
         choice, mode = rank_loading._fp8_path(model, config, "native")  # type: ignore[arg-type]
     assert mode == "emulated" and not choice.used and "16 x 64" in choice.reason
@@ -225,15 +226,78 @@ def test_a_wrong_scaled_mm_falls_back_to_the_emulated_layers(
     assert len(warnings) == 1 and "NIM_FP8_SCALED_MM=off" in warnings[0]
 
 
+def test_the_fp8_rows_kernel_agrees_with_the_emulated_layers_and_takes_small_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Triton fp8 rows kernel (in Triton's interpreter here) agrees with each layer emulated at
+    every row count it is checked at; chosen, a layer sends steps of at most 16 rows through it and
+    larger ones through _scaled_mm."""
+    from service.engine.models import triton_fp8
+    from service.engine.torch import rank_loading
+
+    model = _fp8_layers()
+    with torch.inference_mode():
+        assert check_fp8_rows_kernel(model) is None
+        choice, mode = rank_loading._fp8_path(model, _fp8_config(scaled_mm=True), "native")  # type: ignore[arg-type]
+    assert choice.used and mode == "native" and "steps of at most 16 rows through the Triton" in choice.reason
+    assert all(layer.rows_kernel for layer in model.layers)
+    rows_seen: list[int] = []
+    real = triton_fp8.fp8_rows_linear
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return real(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_fp8, "fp8_rows_linear", spy)
+    layer = model.layers[0]
+    with torch.inference_mode():
+        for rows in (1, 16, 17):
+            x = torch.randn(rows, layer.in_features).to(torch.bfloat16)
+            assert layer(x).shape == (rows, layer.out_features)
+    assert rows_seen == [1, 16]
+
+
+def test_a_wrong_fp8_rows_kernel_leaves_scaled_mm_at_every_size(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from service.engine.models import triton_fp8
+    from service.engine.torch import rank_loading
+
+    real = triton_fp8.fp8_rows_linear
+
+    def wrong(x: torch.Tensor, *args: object) -> torch.Tensor:
+        out = real(x, *args)  # type: ignore[arg-type]
+        return out * 2 if x.shape[0] >= 5 else out
+
+    monkeypatch.setattr(triton_fp8, "fp8_rows_linear", wrong)
+    model = _fp8_layers()
+    with caplog.at_level(logging.WARNING, logger=rank_loading.__name__), torch.inference_mode():
+        choice, mode = rank_loading._fp8_path(model, _fp8_config(scaled_mm=True), "native")  # type: ignore[arg-type]
+    assert choice.used and mode == "native"  # _scaled_mm, still checked and chosen
+    assert "the fp8 rows kernel failed its start-up check (5 x 64 -> 48)" in choice.reason
+    assert not any(layer.rows_kernel for layer in model.layers)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "NIM_FP8_SCALED_MM=scaled-mm" in warnings[0]
+
+
+def test_nim_fp8_scaled_mm_scaled_mm_keeps_the_rows_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.engine.torch import rank_loading
+
+    monkeypatch.setattr(rank_loading, "check_fp8_rows_kernel", lambda *a: pytest.fail("checked"))
+    model = _fp8_layers()
+    config = _fp8_config(scaled_mm=True, rows_kernel=False)
+    with torch.inference_mode():
+        choice, mode = rank_loading._fp8_path(model, config, "native")  # type: ignore[arg-type]
+    assert choice.used and mode == "native" and "NIM_FP8_SCALED_MM=scaled-mm" in choice.reason
+    assert not any(layer.rows_kernel for layer in model.layers)
+
+
 def test_nim_fp8_scaled_mm_off_runs_fp8_emulated_without_a_check(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.engine.torch import rank_loading
 
     monkeypatch.setattr(rank_loading, "check_fp8_scaled_mm", lambda *a: pytest.fail("checked"))
     model = _fp8_layers()
-    config = SimpleNamespace(
-        precision="fp8", fp8_scaled_mm=False, scheduler=SimpleNamespace(max_num_batched_tokens=64)
-    )
-    choice, mode = rank_loading._fp8_path(model, config, "native")  # type: ignore[arg-type]
+    choice, mode = rank_loading._fp8_path(model, _fp8_config(scaled_mm=False), "native")  # type: ignore[arg-type]
     assert (choice.used, mode) == (False, "emulated") and "NIM_FP8_SCALED_MM=off" in choice.reason
     assert all(not layer.native for layer in model.layers)
     choice, mode = rank_loading._fp8_path(model, SimpleNamespace(precision="bf16"), "native")  # type: ignore[arg-type]
@@ -387,5 +451,8 @@ def test_each_setting_reaches_the_engine_config() -> None:
 
     default = config_for(load_settings())
     assert default.unified_attention and default.fp8_scaled_mm and not default.fused_kernels
+    assert default.fp8_rows_kernel
     off = config_for(load_settings(unified_attention="off", fp8_scaled_mm="off"))
     assert not off.unified_attention and not off.fp8_scaled_mm
+    scaled_mm_only = config_for(load_settings(fp8_scaled_mm="scaled-mm"))
+    assert scaled_mm_only.fp8_scaled_mm and not scaled_mm_only.fp8_rows_kernel

@@ -211,6 +211,7 @@ class EngineConfig:
     # chunks through the unified attention kernel; fp8 layers through torch._scaled_mm.
     unified_attention: bool = True
     fp8_scaled_mm: bool = True
+    fp8_rows_kernel: bool = True  # and steps of at most 16 rows through the Triton rows kernel
     compact_logits: bool = True  # the CPU, weight-only int: an int8 or float16 head (NIM_COMPACT_LOGITS)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from service.engine.models import triton_fp8
 from service.engine.models.quant import (
     E2M1_VALUES,
     FORMATS,
@@ -181,6 +182,9 @@ class FP8Linear(QuantLinear):
             raise QuantizationError(f"native fp8 matmuls here produce bf16 activations, not {dtype}")
         self.register_buffer("q", weight.q.to(device))
         self.register_buffer("scale", weight.scale.to(device))
+        # Native steps of at most triton_fp8.ROWS_MAX rows through the Triton rows kernel (weight-only:
+        # no activation quantization), once its start-up check has passed (use_fp8_rows_kernel).
+        self.rows_kernel = False
         self.static_input = weight.input_scale is not None
         # One weight scale and a static input scale (ModelOpt FP8): tensor-wise scaling, which every
         # fp8 GPU's cuBLAS supports; otherwise row-wise (per-row weight scales, per-token inputs).
@@ -197,6 +201,8 @@ class FP8Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
             return self.emulated(x)
+        if self.rows_kernel and x.shape[0] <= triton_fp8.ROWS_MAX:
+            return triton_fp8.fp8_rows_linear(x, self.q, self.scale, self.bias)
         if self.static_input:
             x_scale = self.input_scale.expand(x.shape[0], 1)
         else:  # one scale per token

@@ -17,7 +17,7 @@ import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
-from service.engine.models import quant_cache
+from service.engine.models import quant_cache, triton_fp8
 from service.engine.models.base import BuildOptions, CausalLM, TensorParallel
 from service.engine.models.cpu_linear import half_packing_problem
 from service.engine.models.loader import (
@@ -39,12 +39,15 @@ from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.memory_budget import CudaStepProbe, MemoryBudget, Reservations, budget, reserve
 from service.engine.torch.startup_checks import (
     COMPACT_LOGITS_SETTING,
+    FP8_ROWS_SETTING,
     FP8_SETTING,
     FUSED_SETTING,
+    check_fp8_rows_kernel,
     check_fp8_scaled_mm,
     check_fused_kernels,
     token_counts,
     use_emulated_fp8,
+    use_fp8_rows_kernel,
 )
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import QuantizationError
@@ -284,8 +287,28 @@ def _fp8_path(model: CausalLM, config: EngineConfig, mode: Mode) -> tuple[PathCh
         return chosen(False, f"{why}; running the proven path (emulated) instead"), "emulated"
     seconds = time.monotonic() - started
     counts = token_counts(budget)
-    return chosen(True, f"its start-up check agreed with the dequantized matmul for every layer shape at "
-                  f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s)"), mode  # fmt: skip
+    rows = _fp8_rows_path(model, config)
+    reason = (f"its start-up check agreed with the dequantized matmul for every layer shape at "
+              f"{counts[0]} to {counts[-1]} tokens ({seconds:.1f} s); {rows}")  # fmt: skip
+    return chosen(True, reason), mode
+
+
+def _fp8_rows_path(model: CausalLM, config: EngineConfig) -> str:
+    """Whether steps of at most triton_fp8.ROWS_MAX rows take the Triton fp8 rows kernel (checked
+    against the emulated layers first), in a phrase for the fp8 path's reason."""
+    if not config.fp8_rows_kernel:
+        return f"{FP8_ROWS_SETTING}: _scaled_mm at every step size"
+    if not triton_support.available():
+        return "steps of every size through _scaled_mm (the fp8 rows kernel needs triton)"
+    started = time.monotonic()
+    why = check_fp8_rows_kernel(model)
+    if why is not None:
+        log.warning("%s; fp8 layers run _scaled_mm at every step size (%s skips the check)",
+                    why, FP8_ROWS_SETTING)  # fmt: skip
+        return f"{why}; _scaled_mm at every step size instead"
+    use_fp8_rows_kernel(model)
+    return (f"steps of at most {triton_fp8.ROWS_MAX} rows through the Triton fp8 rows kernel (weight-only, "
+            f"no activation quantization; its check agreed, {time.monotonic() - started:.1f} s)")  # fmt: skip
 
 
 def _logits_path(

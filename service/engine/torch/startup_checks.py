@@ -13,6 +13,7 @@ back to the proven path and logs that line; nothing here runs inside a step.
 |                      |                            | has a window; several sequences and a lone one    |
 | fp8 `_scaled_mm`     | the dequantized matmul     | every layer's (out, in) shape at 1, 2, 4, ... up  |
 |                      |                            | to the step's token budget tokens                 |
+| fp8 rows kernel      | the dequantized matmul     | every layer's shape at 1, 2, 5, 8 and 16 rows     |
 | fused kernels        | PyTorch's ops              | the model's own forward at one token and a chunk  |
 | decode CUDA graphs   | the same step run eagerly  | every batch-size bucket (cuda_graphs.capture)     |
 
@@ -27,7 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from service.engine.models import triton_ops
+from service.engine.models import triton_fp8, triton_ops
 from service.engine.models.base import CausalLM
 from service.engine.models.llama_layers import RMSNorm
 from service.engine.models.quant_linear import FP8Linear
@@ -50,6 +51,7 @@ from service.util import one_line
 UNIFIED_SETTING = "NIM_UNIFIED_ATTENTION=off"
 GRAPHS_SETTING = "NIM_ENFORCE_EAGER=1"
 FP8_SETTING = "NIM_FP8_SCALED_MM=off"
+FP8_ROWS_SETTING = "NIM_FP8_SCALED_MM=scaled-mm"  # _scaled_mm at every size: the rows kernel off
 FUSED_SETTING = "NIM_FUSED_KERNELS=0"
 COMPACT_LOGITS_SETTING = "NIM_COMPACT_LOGITS=off"
 
@@ -282,6 +284,46 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor, bound: float) -> str 
     if error > bound * max(norm, 1e-6):
         return f"relative error {error / max(norm, 1e-6):.3g} (bound {bound})"
     return None
+
+
+FP8_ROWS_BOUND = 2e-2  # the rows kernel is weight-only too: bf16 rounding of the output and scaled weight
+FP8_ROWS_COUNTS = (1, 2, 5, 8, triton_fp8.ROWS_MAX)  # decode buckets, and a count between them
+
+
+def check_fp8_rows_kernel(model: CausalLM) -> str | None:
+    """The Triton fp8 rows kernel (steps of at most triton_fp8.ROWS_MAX rows) for every distinct fp8
+    layer kind against the same layer emulated, at FP8_ROWS_COUNTS rows; None when each is within
+    FP8_ROWS_BOUND relative error. Compiles the kernel before any step launches it."""
+    seen: set[tuple[int, int, bool]] = set()
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    for layer in native_fp8_layers(model):
+        kind = (layer.out_features, layer.in_features, layer.bias is not None)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        for count in FP8_ROWS_COUNTS:
+            x = torch.randn(count, layer.in_features, generator=generator, device=model.device)
+            x = x.to(layer.dtype)
+            why: str | None
+            try:
+                got = triton_fp8.fp8_rows_linear(x, layer.q, layer.scale, layer.bias)
+                want = layer.emulated(x)
+            except Exception as exc:
+                why = one_line(exc, with_type=True)
+            else:
+                why = _relative_error(got, want, FP8_ROWS_BOUND)
+            if why is not None:
+                return (
+                    f"the fp8 rows kernel failed its start-up check ({count} x {layer.in_features} -> "
+                    f"{layer.out_features}): {why}"
+                )
+    return None
+
+
+def use_fp8_rows_kernel(model: CausalLM) -> None:
+    """Native fp8 layers run steps of at most triton_fp8.ROWS_MAX rows through the rows kernel."""
+    for layer in native_fp8_layers(model):
+        layer.rows_kernel = True
 
 
 def use_emulated_fp8(model: CausalLM) -> None:

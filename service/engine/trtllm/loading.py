@@ -102,7 +102,7 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_FUSED_KERNELS applies to the torch engine; unset it")
     if not config.unified_attention:
         raise refuse("NIM_UNIFIED_ATTENTION applies to the torch engine; unset it")
-    if not config.fp8_scaled_mm:
+    if not (config.fp8_scaled_mm and config.fp8_rows_kernel):
         raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
     if not config.compact_logits:
         raise refuse("NIM_COMPACT_LOGITS applies to the torch engine; unset it")
