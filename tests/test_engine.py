@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from service.config_loading import load_settings
 from service.engine import streams as streams_module
@@ -312,14 +313,17 @@ def test_quantized_kv_cache_keeps_next_token_predictions(engine: TorchEngine, ca
     total = sum(len(ref) for ref in reference)
     assert total == len(QUESTIONS) * GENERATED
     assert agree / total >= MIN_AGREEMENT[cache_dtype], (agree, total)
-    clear = [i for i in range(len(prompts)) if _first_margin(generated[f"g{i}"]) > FIRST_TOKEN_MARGIN]
-    assert len(clear) >= len(prompts) - 2, "too many near-ties to check the first tokens"
+    margin = FIRST_TOKEN_MARGIN[engine.core.runner.dtype]
+    clear = [i for i in range(len(prompts)) if _first_margin(generated[f"g{i}"]) > margin]
+    assert len(clear) >= len(prompts) // 2, "too many near-ties to check the first tokens"
     for i in clear:
         assert first[f"f{i}"].token_ids == generated[f"g{i}"].token_ids[:1], i
 
 
-# nats: a quantized cache moves a logprob by a few hundredths here (one fp32 first token tied at 0.026)
-FIRST_TOKEN_MARGIN = 0.1
+# nats, by the activation dtype the host chose: in float32 a quantized cache moves a logprob by a
+# few hundredths (one first token tied at 0.026); in bfloat16 the logits themselves round to steps
+# of up to 0.125 and the int4 kernels' rows depend on their batch, so a flip needs a wider margin.
+FIRST_TOKEN_MARGIN = {torch.float32: 0.1, torch.bfloat16: 0.5}
 
 
 def _first_margin(result: Result) -> float:

@@ -228,10 +228,12 @@ def test_hostile_request_templates_cost_their_own_request_only(trusting: ServerP
                     error = response.json()["error"]
                     assert error["param"] == "chat_template" and "would build" in error["message"], error
                     assert took < 10, (name, took)
-            # one that runs to its CPU limit, building as it goes: the server answers meanwhile
+            # one that runs to its CPU limit (or, on a fast host, to the items it may build), building
+            # as it goes: the server answers meanwhile
             slow = {**body, "chat_template": MORE_PROBES["literal-buffer"]}
             response = client.post("/v1/chat/completions", json=slow)
-            assert response.status_code == 400 and "CPU time" in response.json()["error"]["message"]
+            assert response.status_code == 400
+            assert re.search(r"CPU time|items in all", response.json()["error"]["message"]), response.text
             while len(prober.latencies) < 3:  # the probes above may all be answered before it asks
                 time.sleep(0.05)
         finally:

@@ -146,8 +146,9 @@ REHEARSAL_PLAN = Plan(
     shape="tiny", ctx=256, input_words=40, output_len=24, greedy=(1, 4), sampled=4, fp8=1,
     deadline_s=170, max_num_seqs=8, prefill_prompts=4, prefill_input_len=40, prefill_batched_tokens=64,
     fused=(1,), fused_env=False,
-    limits={"check": 30, "checkpoint": 30, "floor": 30, "serve-bf16": 60, "greedy": 40, "sampled": 20,
-            "serve-fp8": 60, "fp8": 20, "serve-fused": 60, "fused": 20, "prefill": 30},
+    # sampled and fp8 at their slowest on a bf16 CPU (a flat nucleus sorted in bf16; fp8 emulated)
+    limits={"check": 30, "checkpoint": 30, "floor": 30, "serve-bf16": 60, "greedy": 40, "sampled": 45,
+            "serve-fp8": 60, "fp8": 40, "serve-fused": 60, "fused": 20, "prefill": 30},
 )  # fmt: skip
 
 

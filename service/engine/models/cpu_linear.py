@@ -7,11 +7,12 @@ PyTorch's oneDNN build supports it; everywhere else models keep plain `nn.Linear
 
 Batch invariance: a row's result must not depend on how many rows share the call, which keeps
 greedy and seeded outputs independent of what else the engine batches with a request. From 8 rows
-up (checked to 2048) oneDNN computes every row the same way. Below 8 rows some oneDNN builds and
-CPUs pick a differently blocked kernel (another summation order), others do not; padding a small
-batch to 8 rows costs batch 1 about three times the linear time. So at load time each layer
-shape is probed once (`needs_padding`): small batches are padded only where the probe sees them
-computed differently.
+up (checked to 2048) oneDNN computes every row the same way, except with its AMX bf16 kernels,
+which block by row count at every size (docs/engine.md: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
+Below 8 rows some oneDNN builds and CPUs pick a differently blocked kernel (another summation
+order), others do not; padding a small batch to 8 rows costs batch 1 about three times the
+linear time. So at load time each layer shape is probed once (`needs_padding`): small batches are
+padded only where the probe sees them computed differently.
 
 HalfPackedLinear holds a float32 model's logits projection as float16 in fbgemm's packed layout:
 float32 inputs, arithmetic and outputs (fbgemm widens each weight as it reads it), half the bytes
