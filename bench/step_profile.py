@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from service.config import Settings
 from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
@@ -136,6 +137,18 @@ def run_batch(engine: TorchEngine, batch: int, args: argparse.Namespace) -> dict
         }
     )
     return result
+
+
+def start_engine(settings: Settings) -> TorchEngine:
+    """The engine of `settings`, started. Loaded on a thread that ends with the load, as the server
+    does: the engine's own thread is then the only one holding an OpenMP pool (TorchEngine.start)."""
+    built: list[TorchEngine] = []
+    loader = threading.Thread(target=lambda: built.append(build_engine(config_for(settings))))
+    loader.start()
+    loader.join()
+    engine = built[0]
+    asyncio.run(engine.start())
+    return engine
 
 
 def wait_steps(engine: TorchEngine, count: int) -> None:
@@ -240,14 +253,7 @@ def main() -> None:
         kv_cache_max_tokens=max(batches) * (args.input_len + 512) + args.max_model_len,
     )
     started = time.monotonic()
-    # Loaded on a thread that ends with the load, as the server does: the engine's own thread is
-    # then the only one holding an OpenMP pool (see TorchEngine.start).
-    built: list[TorchEngine] = []
-    loader = threading.Thread(target=lambda: built.append(build_engine(config_for(settings))))
-    loader.start()
-    loader.join()
-    engine = built[0]
-    asyncio.run(engine.start())
+    engine = start_engine(settings)
     ready_s = time.monotonic() - started
     results = [run_batch(engine, b, args) for b in batches]
     asyncio.run(engine.stop())

@@ -4,9 +4,6 @@ for Hopper on the CPU, since the interpreter accepts Python the compiler rejects
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from service.engine.models.quant import FP8Weight
 from service.engine.models.quant_linear import FP8Linear
 from service.engine.triton_support import available as triton_available
+from tests.test_triton_unified_attention import compile_for_hopper
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton (pip install triton)")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,20 +96,4 @@ for has_bias in (False, True):
 
 @needs_triton
 def test_the_rows_kernel_compiles_for_hopper(pytestconfig: pytest.Config, tmp_path: Path) -> None:
-    import triton
-
-    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas*")):
-        pytest.skip("this Triton build ships no ptxas to compile for a GPU")
-    cache = getattr(pytestconfig, "cache", None)  # Triton's cache, keyed by the kernel's source
-    cache_dir = cache.mkdir("triton-sm90") if cache is not None else tmp_path
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache_dir)}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
-        cwd=Path(__file__).resolve().parent.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 2
+    assert compile_for_hopper(_COMPILE_FOR_HOPPER, pytestconfig, tmp_path).count("compiled") == 2

@@ -22,21 +22,18 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: step_profile's timer
-from step_profile import PhaseTimer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: step_profile's timer, start
+from step_profile import PhaseTimer, start_engine
 
 from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
-from service.engine.torch.loading import build_engine
-from service.serving import config_for
 
 
 def run_round(engine: TorchEngine, prompts: list[list[int]], tag: str) -> float:
@@ -94,12 +91,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
     )
     started = time.monotonic()
-    built: list[TorchEngine] = []  # loaded on a thread of its own, as the server does
-    loader = threading.Thread(target=lambda: built.append(build_engine(config_for(settings))))
-    loader.start()
-    loader.join()
-    engine = built[0]
-    asyncio.run(engine.start())
+    engine = start_engine(settings)
     ready_s = time.monotonic() - started
     cuda = engine.core.config.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else None

@@ -23,7 +23,7 @@ The engine process, the fifth such path, is checked by starting it (service.serv
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -249,28 +249,48 @@ def check_fp8_scaled_mm(model: CausalLM, max_tokens: int) -> str | None:
     """Every distinct fp8 layer kind (shape, scaling, bias) natively (`_scaled_mm`, activations
     quantized to e4m3) against the same layer emulated (its weight dequantized), at every token
     count of `token_counts`; None when each is within FP8_BOUND relative error."""
-    seen: set[tuple[int, int, bool, bool, bool]] = set()
+    return _check_fp8_layers(
+        model,
+        lambda layer: (layer.tensorwise, layer.static_input),
+        token_counts(max_tokens),
+        lambda layer, x: layer(x),
+        FP8_BOUND,
+        "fp8 _scaled_mm",
+    )
+
+
+def _check_fp8_layers(
+    model: CausalLM,
+    variant: Callable[[FP8Linear], tuple[bool, ...]],
+    counts: Sequence[int],
+    run: Callable[[FP8Linear, torch.Tensor], torch.Tensor],
+    bound: float,
+    what: str,
+) -> str | None:
+    """`run` on every distinct native fp8 layer kind (shape, bias and `variant`) against the same
+    layer emulated, at each row count of `counts`; the first disagreement beyond `bound` (relative)
+    or failure, in one line naming `what`, else None."""
+    seen: set[tuple[object, ...]] = set()
     generator = torch.Generator(device=model.device).manual_seed(0)
     for layer in native_fp8_layers(model):
-        kind = (layer.out_features, layer.in_features, layer.tensorwise, layer.static_input,
-                layer.bias is not None)  # fmt: skip
+        kind = (layer.out_features, layer.in_features, layer.bias is not None, *variant(layer))
         if kind in seen:
             continue
         seen.add(kind)
-        for count in token_counts(max_tokens):
+        for count in counts:
             x = torch.randn(count, layer.in_features, generator=generator, device=model.device)
             x = x.to(layer.dtype)
             why: str | None
             try:
-                got = layer(x)
+                got = run(layer, x)
                 want = layer.emulated(x)
             except Exception as exc:
                 why = one_line(exc, with_type=True)
             else:
-                why = _relative_error(got, want, FP8_BOUND)
+                why = _relative_error(got, want, bound)
             if why is not None:
                 return (
-                    f"fp8 _scaled_mm failed its start-up check ({count} x {layer.in_features} -> "
+                    f"{what} failed its start-up check ({count} x {layer.in_features} -> "
                     f"{layer.out_features}): {why}"
                 )
     return None
@@ -294,30 +314,14 @@ def check_fp8_rows_kernel(model: CausalLM) -> str | None:
     """The Triton fp8 rows kernel (steps of at most triton_fp8.ROWS_MAX rows) for every distinct fp8
     layer kind against the same layer emulated, at FP8_ROWS_COUNTS rows; None when each is within
     FP8_ROWS_BOUND relative error. Compiles the kernel before any step launches it."""
-    seen: set[tuple[int, int, bool]] = set()
-    generator = torch.Generator(device=model.device).manual_seed(0)
-    for layer in native_fp8_layers(model):
-        kind = (layer.out_features, layer.in_features, layer.bias is not None)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        for count in FP8_ROWS_COUNTS:
-            x = torch.randn(count, layer.in_features, generator=generator, device=model.device)
-            x = x.to(layer.dtype)
-            why: str | None
-            try:
-                got = triton_fp8.fp8_rows_linear(x, layer.q, layer.scale, layer.bias)
-                want = layer.emulated(x)
-            except Exception as exc:
-                why = one_line(exc, with_type=True)
-            else:
-                why = _relative_error(got, want, FP8_ROWS_BOUND)
-            if why is not None:
-                return (
-                    f"the fp8 rows kernel failed its start-up check ({count} x {layer.in_features} -> "
-                    f"{layer.out_features}): {why}"
-                )
-    return None
+    return _check_fp8_layers(
+        model,
+        lambda layer: (),
+        FP8_ROWS_COUNTS,
+        lambda layer, x: triton_fp8.fp8_rows_linear(x, layer.q, layer.scale, layer.bias),
+        FP8_ROWS_BOUND,
+        "the fp8 rows kernel",
+    )
 
 
 def use_fp8_rows_kernel(model: CausalLM) -> None:
