@@ -45,6 +45,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import random
@@ -207,9 +209,11 @@ def sampling_of(args: argparse.Namespace) -> dict:
     return sampling
 
 
-async def run_load(
-    url: str, model: str, prompts: list[str], concurrency: int, output_len: int, sampling: dict | None = None
-) -> dict:
+async def _drive(
+    url: str, model: str, prompts: list[str], concurrency: int, output_len: int, sampling: dict | None
+) -> tuple[list[ChatResult], float, float]:
+    """`concurrency` workers send `prompts` one after another; the results and the wall-clock (time.time)
+    start and end of the load."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -222,9 +226,91 @@ async def run_load(
                 text = queue.get_nowait()
                 results.append(await chat_request(client, url, model, text, output_len, sampling))
 
-        started = time.perf_counter()
+        started = time.time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
+        ended = time.time()
+    return results, started, ended
+
+
+def _client(
+    conn: multiprocessing.connection.Connection, url: str, model: str, prompts: list[str], concurrency: int,
+    output_len: int, sampling: dict | None,
+) -> None:  # fmt: skip
+    """One client process's share of a load: says it is ready, waits for the shared start time, sends
+    its results back."""
+    conn.send("ready")
+    start_at = conn.recv()
+    time.sleep(max(0.0, start_at - time.time()))
+    conn.send(asyncio.run(_drive(url, model, prompts, concurrency, output_len, sampling)))
+
+
+def _drive_in_processes(
+    url: str, model: str, prompts: list[str], concurrency: int, output_len: int, sampling: dict | None,
+    processes: int,
+) -> tuple[list[ChatResult], float, float]:  # fmt: skip
+    """`_drive` split across `processes` client processes (streams and prompts dealt round-robin),
+    started together once every one has imported its modules."""
+    context = multiprocessing.get_context("spawn")
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    conns, children = [], []
+    for i, share in enumerate(shares):
+        ours, theirs = context.Pipe()
+        args = (theirs, url, model, prompts[i::processes], share, output_len, sampling)
+        children.append(context.Process(target=_client, args=args, daemon=True))
+        children[-1].start()
+        conns.append(ours)
+    try:
+        for conn in conns:
+            conn.recv()  # ready
+        start_at = time.time() + 0.1
+        for conn in conns:
+            conn.send(start_at)
+        parts = [conn.recv() for conn in conns]
+    finally:
+        for child in children:
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+    return [r for part in parts for r in part[0]], min(p[1] for p in parts), max(p[2] for p in parts)
+
+
+STREAMS_PER_CLIENT = 32
+
+
+def client_processes_for(concurrency: int) -> int:
+    """Client processes for a load at `concurrency`: one per STREAMS_PER_CLIENT streams, at most half
+    the cores. One Python client spends ~0.12 ms of CPU on each streamed token (measured at c=64 and
+    c=256, bench/README.md), so a single one saturates near 8,000 tokens/s and its lag would be
+    counted as the server's."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(-(-concurrency // STREAMS_PER_CLIENT), cores // 2))
+
+
+async def run_load(
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    output_len: int,
+    sampling: dict | None = None,
+    processes: int = 1,
+) -> dict:
+    """The load's figures; with `processes` > 1 its streams and prompts are split across that many
+    client processes that start together, and the figures are those of all their requests over the
+    span from the first start to the last end."""
+    processes = max(1, min(processes, concurrency, len(prompts)))
+    if processes == 1:
+        results, started, ended = await _drive(url, model, prompts, concurrency, output_len, sampling)
+    else:
+        results, started, ended = await asyncio.to_thread(
+            _drive_in_processes, url, model, prompts, concurrency, output_len, sampling, processes
+        )
+    figures = load_figures(results, ended - started)
+    figures["client_processes"] = processes
+    return figures
+
+
+def load_figures(results: list[ChatResult], elapsed: float) -> dict:
     errors = [r.error for r in results if r.error]
     results = [r for r in results if not r.error] or results
     ttfts = [r.ttft for r in results]
@@ -442,6 +528,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--input-words", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        help="client processes sharing each load (default: one per 32 streams, at most half the cores)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -585,9 +676,10 @@ def main() -> None:
                 seed = args.seed * 1_000_003 + c * 1000 + r
                 prompts = make_prompts(seed, count, args.input_words, args.workload)
                 for name in urls:
-                    figures = asyncio.run(
-                        run_load(urls[name], models[name], prompts, c, args.output_len, sampling_of(args))
-                    )
+                    clients = args.client_processes or client_processes_for(c)
+                    sampling = sampling_of(args)
+                    load = run_load(urls[name], models[name], prompts, c, args.output_len, sampling, clients)
+                    figures = asyncio.run(load)
                     rounds.append({"concurrency": c, "round": r, "server": name, **figures})
                     if args.out:  # as it goes: a run cut short keeps what it measured
                         args.out.write_text(json.dumps(document(), indent=2) + "\n")

@@ -1,15 +1,16 @@
 """Where a streamed token's CPU time goes: each thread of a server, and the client.
 
     NIM_PROFILE_TYPE=latency .venv/bin/python bench/thread_cpu.py --requests 4 --output-len 128 \
-        [--llama-url http://127.0.0.1:8102 --llama-pid PID] [--out FILE]
+        [--concurrency N] [--llama-url http://127.0.0.1:8102 --llama-pid PID] [--out FILE]
 
 Starts this repository's server (embedded model; the caller's NIM_* variables pass through), sends
---warmup requests, then --requests streaming chat requests one at a time (bench/compare_llama.py's
-client and prompts), and reads every thread's CPU time (utime + stime in /proc/<pid>/task/<tid>/stat)
-of the server and of its child processes before and after. Reports, per output token: the interval
-between tokens the client saw, the CPU of each server thread (named by Python's threading where
-py-spy can name it; the rest are native threads: OpenMP workers, the tokenizers' pool), and the
-client's own CPU. On a 2-core host every millisecond of CPU beside the model's threads is taken
+--warmup requests, then --requests streaming chat requests, --concurrency at a time (one by
+default; bench/compare_llama.py's client and prompts, in this process), and reads every
+thread's CPU time (utime + stime in /proc/<pid>/task/<tid>/stat) of the server and of its child
+processes before and after. Reports, per output token: the interval between tokens the client
+saw, the CPU of each server thread (named by Python's threading where py-spy can name it; the rest
+are native threads: OpenMP workers, the tokenizers' pool) and of each process, and the client's
+own CPU. On a 2-core host every millisecond of CPU beside the model's threads is taken
 from them, so this is where the interval beyond the step goes.
 
 With --llama-url and --llama-pid, the same load is measured on a running llama-server as well.
@@ -91,21 +92,26 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
     asyncio.run(run_load(url, model, prompts[: args.warmup], 1, args.output_len))
     names = thread_names(pid)
     before, client_before = thread_cpu_ms(pid), client_cpu_ms()
-    load = asyncio.run(run_load(url, model, prompts[args.warmup :], 1, args.output_len))
+    load = asyncio.run(run_load(url, model, prompts[args.warmup :], args.concurrency, args.output_len))
     after, client_after = thread_cpu_ms(pid), client_cpu_ms()
     tokens = load["output_tok_per_s"] * load["elapsed_s"]
     per_thread: dict[str, float] = {}
+    per_process: dict[str, float] = {}
     for key, ms in after.items():
         used = ms - before.get(key, 0.0)
         if used <= 0:
             continue
         proc, tid = key
-        label = names.get(tid, "native")
-        label = f"{'server' if proc == pid else f'child {proc}'}: {label}"
+        process = "server" if proc == pid else f"child {proc}"
+        label = f"{process}: {names.get(tid, 'native')}"
         per_thread[label] = per_thread.get(label, 0.0) + used / tokens
+        per_process[process] = per_process.get(process, 0.0) + used / tokens
     return {
+        "concurrency": args.concurrency,
         "interval_p50_ms": round(load["itl_p50_ms"], 3),
+        "ttft_p50_ms": round(load["ttft_p50_ms"], 1),
         "output_tok_per_s": round(load["output_tok_per_s"], 2),
+        "server_cpu_ms_per_token_by_process": {k: round(v, 4) for k, v in per_process.items()},
         "server_cpu_ms_per_token": {
             k: round(v, 3) for k, v in sorted(per_thread.items(), key=lambda kv: -kv[1])
         },
@@ -120,6 +126,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--input-words", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
