@@ -471,9 +471,9 @@ def test_a_server_with_an_engine_process_serves_drains_and_stops(tmp_path: Path)
     try:
         reply = httpx.post(
             f"{server.base_url}/v1/completions",
-            json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 5},
+            json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 5, "ignore_eos": True},
             timeout=60,
-        )
+        )  # sampled (the API's default temperature is 1): without ignore_eos it may end early
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         worker, frames = stream_in_background(server, 24)
         server.process.send_signal(signal.SIGTERM)  # the drain lets the stream finish
