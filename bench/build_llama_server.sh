@@ -19,6 +19,9 @@
 #                       /work/shared/gpu/build_llama_server_cuda.sh takes), for machines without the index
 #   PYTHON              interpreter whose pip downloads the sdist (default python3)
 #   JOBS                parallel compile jobs (default 2; JOBS=$(nproc) on a dedicated GPU machine)
+#   GGML_AMX=OFF        CPU build without ggml's AMX kernels on an AMX host (-mno-amx-*, build dir suffix
+#                       -noamx): on the 2026-11-29 AMX host here they fault at their first `ldtilecfg`
+#                       (the 0.3.36 server exits with SIGSEGV while loading), so compare with this build
 #   GGML_CUDA=1         CUDA build; CUDA_ARCHS (default 90a, Hopper) and GGML_CUDA_FA (default OFF: leaving
 #                       out the FlashAttention kernels halves the build) as in /work/shared/gpu's
 #                       build_llama_server_cuda.sh
@@ -39,6 +42,11 @@ if [ "${GGML_CUDA:-0}" = "1" ] || [ "${GGML_CUDA:-}" = "ON" ]; then
 else
   FLAVOUR=cpu
   BACKEND_FLAGS=(-DGGML_CUDA=OFF)
+  if [ "${GGML_AMX:-}" = "OFF" ]; then  # explicit -mno-* flags win over -march=native's in GCC
+    FLAVOUR=cpu-noamx
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    BACKEND_FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+  fi
 fi
 
 SRC_PARENT="$WORK/src-$VERSION"

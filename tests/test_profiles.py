@@ -344,6 +344,24 @@ def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profil
     assert select(m, host, TORCH_ONLY).chosen.profile.precision == "int4_wo"
 
 
+def test_an_amx_cpu_keeps_int4_first_and_says_what_bf16_would_trade(manifests) -> None:
+    # Measured on an AMX host (bench/README.md): bf16 beats int4_wo from batch 8 and in prefill, but
+    # its AMX kernels are not batch invariant; the default keeps the invariant profile and says so.
+    m = manifest(manifests, "embedded")
+    host = system("cpu_only")
+    amx = dataclasses.replace(
+        host, cpu=dataclasses.replace(host.cpu, isa_flags=(*host.cpu.isa_flags, "amx_bf16"))
+    )
+    throughput = select(m, amx, TORCH_ONLY)
+    assert throughput.chosen.profile.precision == "int4_wo"
+    assert "kept ahead of bf16 on this AMX CPU" in throughput.explanation[0]
+    assert "seeded requests would not reproduce" in throughput.explanation[0]
+    latency = select(m, amx, Policy(engines=TORCH_ONLY.engines, profile_type="latency"))
+    assert latency.chosen.profile.precision == "int4_wo"
+    assert "AMX" not in latency.explanation[0]
+    assert "AMX" not in select(m, host, TORCH_ONLY).explanation[0]  # AVX512-BF16 alone: nothing to trade
+
+
 def test_a_native_cuda_kernel_ranks_by_what_was_measured_on_that_compute_capability(
     manifests, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -261,6 +261,15 @@ def _slow_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
     return not (spec.weight_only and policy.profile_type == "latency")
 
 
+# Measured on an AMX host (bench/README.md "The CPU bars on an AMX host"); kept first because the
+# product's seeded requests reproduce whatever else is in the batch, which AMX's bf16 kernels break.
+_AMX_NOTE = (
+    "kept ahead of bf16 on this AMX CPU although bf16 measured faster from batch 8 (2x at 32, 3x lower "
+    "TTFT): oneDNN's AMX bf16 matmuls round a row differently with the batch's size, so seeded requests "
+    "would not reproduce (NIM_MODEL_PROFILE names the bf16 profile to take that trade)"
+)
+
+
 def _cuda_demotion(verdict: Verdict, system: SystemInfo) -> str | None:
     """Why selection ranks the profile last, below the float precisions, if it does: the torch engine
     would run its precision through a native CUDA kernel that was not measured on GPUs of this
@@ -409,6 +418,13 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo,
             "without which they were measured slower than fp32 at batch 32"
             + (latency if policy.profile_type == "throughput" else "")
         )
+    if (
+        not system.gpus
+        and "amx_bf16" in system.cpu.isa_flags
+        and policy.profile_type == "throughput"
+        and PRECISION_SPECS[p.precision].weight_only
+    ):
+        parts.append(_AMX_NOTE)
     if not system.gpus and policy.profile_type == "latency" and PRECISION_SPECS[p.precision].weight_only:
         parts.append("weight-only int ranked first for latency: measured 2x fp32 at batch 1 on such CPUs")
     demotions = {v.profile.precision: why for v in runnable if (why := _cuda_demotion(v, system))}
