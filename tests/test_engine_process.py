@@ -469,11 +469,9 @@ def stream_in_background(server: ServerProcess, max_tokens: int) -> tuple[thread
 def test_a_server_with_an_engine_process_serves_drains_and_stops(tmp_path: Path) -> None:
     server, core = start_process_server(tmp_path, "")
     try:
-        reply = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 5, "ignore_eos": True},
-            timeout=60,
-        )  # sampled (the API's default temperature is 1): without ignore_eos it may end early
+        # sampled (the API's default temperature is 1): without ignore_eos it may end early
+        body = {"model": EMBEDDED_NAME, "prompt": "The capital of", "max_tokens": 5, "ignore_eos": True}
+        reply = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
         worker, frames = stream_in_background(server, 24)
         server.process.send_signal(signal.SIGTERM)  # the drain lets the stream finish

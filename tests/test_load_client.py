@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import EMBEDDED_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import compare_llama  # noqa: E402  (bench/compare_llama.py)
+import compare_llama  # bench/compare_llama.py
 
 
 def test_a_load_split_across_client_processes_counts_every_request_once(base_url: str) -> None:
