@@ -86,7 +86,8 @@ def test_oversized_chunked_body_is_413(limited: ServerProcess) -> None:
 
 
 def test_chunked_body_within_the_limit_is_served(limited: ServerProcess) -> None:
-    body = json.dumps({"model": EMBEDDED_NAME, "prompt": "Hello there", "max_tokens": 2}).encode()
+    body = {"model": EMBEDDED_NAME, "prompt": "Hello there", "max_tokens": 2, "ignore_eos": True}
+    body = json.dumps(body).encode()
     response = httpx.post(
         f"{limited.base_url}/v1/completions",
         content=_chunked(body, size=7),

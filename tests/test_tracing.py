@@ -121,6 +121,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Collector
                     "model": "smollm2-135m-instruct",
                     "prompt": "One, two,",
                     "max_tokens": 4,
+                    "ignore_eos": True,  # sampled: without it the model may end before 4 tokens
                     "stream": True,
                 },
             ) as stream:

@@ -725,11 +725,15 @@ def test_the_real_tensorrt_llm_serves_a_small_checkpoint(checkpoint: Path, tmp_p
         meta = httpx.get(f"{server.base_url}/v1/metadata", timeout=10).json()
         assert meta["selectedProfile"]["runtime"]["engine"] == "tensorrt_llm"
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-        out = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0)
+        # ignore_eos: the random model's eos (byte "#") is within a nat of its greedy token
+        no_eos = {"ignore_eos": True}
+        out = client.completions.create(
+            model=NAME, prompt="Hello", max_tokens=8, temperature=0, extra_body=no_eos
+        )
         assert out.usage is not None and out.usage.completion_tokens == 8
         assert out.choices[0].finish_reason == "length"
         streamed = client.completions.create(
-            model=NAME, prompt="Hello", max_tokens=8, temperature=0, stream=True
+            model=NAME, prompt="Hello", max_tokens=8, temperature=0, stream=True, extra_body=no_eos
         )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
         _real_logprobs_and_penalties(client, checkpoint)
