@@ -42,6 +42,10 @@ if [ "${GGML_CUDA:-0}" = "1" ] || [ "${GGML_CUDA:-}" = "ON" ]; then
 else
   FLAVOUR=cpu
   BACKEND_FLAGS=(-DGGML_CUDA=OFF)
+  case "${GGML_AMX:-}" in
+    "" | ON | OFF) ;;
+    *) log "GGML_AMX=$GGML_AMX: only OFF (or ON, the default) is understood"; exit 2 ;;
+  esac
   if [ "${GGML_AMX:-}" = "OFF" ]; then  # explicit -mno-* flags win over -march=native's in GCC
     FLAVOUR=cpu-noamx
     NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

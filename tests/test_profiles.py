@@ -27,6 +27,11 @@ def system(name: str) -> SystemInfo:
     return load_system(SYSTEMS / f"{name}.json")
 
 
+def with_isa_flags(host: SystemInfo, flags: tuple[str, ...]) -> SystemInfo:
+    """`host` with its CPU's ISA flags replaced by `flags`."""
+    return dataclasses.replace(host, cpu=dataclasses.replace(host.cpu, isa_flags=flags))
+
+
 @pytest.fixture(scope="module")
 def manifests():
     return load_manifests()
@@ -331,7 +336,7 @@ def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profil
     # weight-only int kernels are ~2x fp32 at batch 1 and slower at batch 32; bf16 is slower at both.
     m = manifest(manifests, "embedded")
     host = system("cpu_only")
-    plain = dataclasses.replace(host, cpu=dataclasses.replace(host.cpu, isa_flags=("sse4_2", "fma", *flags)))
+    plain = with_isa_flags(host, ("sse4_2", "fma", *flags))
     throughput = select(m, plain, TORCH_ONLY)
     assert throughput.chosen.profile.precision == "fp32"
     assert "measured slower than fp32 at batch 32" in throughput.explanation[0]
@@ -349,9 +354,7 @@ def test_an_amx_cpu_keeps_int4_first_and_says_what_bf16_would_trade(manifests) -
     # its AMX kernels are not batch invariant; the default keeps the invariant profile and says so.
     m = manifest(manifests, "embedded")
     host = system("cpu_only")
-    amx = dataclasses.replace(
-        host, cpu=dataclasses.replace(host.cpu, isa_flags=(*host.cpu.isa_flags, "amx_bf16"))
-    )
+    amx = with_isa_flags(host, (*host.cpu.isa_flags, "amx_bf16"))
     throughput = select(m, amx, TORCH_ONLY)
     assert throughput.chosen.profile.precision == "int4_wo"
     assert "kept ahead of bf16 on this AMX CPU" in throughput.explanation[0]
