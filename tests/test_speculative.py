@@ -15,7 +15,8 @@ from service.engine.speculative_config import (
 )
 from service.engine.torch.request import Request
 from service.engine.torch.sampler import SamplingRow
-from service.engine.torch.speculative.ngram import propose_ngram
+from service.engine.torch.speculative.draft_length import DraftLength
+from service.engine.torch.speculative.ngram import lookup, propose_ngram
 from service.engine.torch.speculative.rejection import verify
 from service.engine.torch.speculative.speculator import MAX_BACKOFF_STEPS, Speculator
 from service.serve_flags import parse_serve_flags
@@ -72,6 +73,8 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_suffix() -> Non
     assert propose_ngram([7, 7], 4, 1, 1) == [7]  # what exists after the occurrence
     # token ids whose bytes could match across a token boundary are not matched there
     assert propose_ngram([256, 1, 0, 0, 1], 2, 1, 1) == [0, 0]
+    assert lookup(tokens, 3, 1, 3) == ([6, 7, 1], 3)  # with the length of the suffix that matched
+    assert lookup([5, 6, 7, 8], 3, 1, 3) == ([], 0)
 
 
 def _request(request_id: str, tokens: list[int], max_tokens: int = 100) -> Request:
@@ -148,3 +151,80 @@ def test_greedy_verification_accepts_exactly_the_argmax_run() -> None:
     assert verdict.accepted == [2, 3] and verdict.token.token_id == 1
     verdict = verify(logits.clone(), _rows(params, [2, 3, 1], 1), [2, 3, 1])
     assert verdict.accepted == [2, 3, 1] and verdict.token.token_id == 5  # the bonus token
+
+
+# A lone request's step cost by rows on a CPU with an int4 profile (bench/README.md): 4-row blocks.
+CPU_ROWS = (1.0, 1.07, 1.2, 1.3, 1.85, 1.85, 1.93, 2.07)
+
+
+def _learned(costs: tuple[float, ...], match: int, drafted: int, accepted: int, times: int) -> DraftLength:
+    lengths = DraftLength(costs)
+    for _ in range(times):
+        lengths.observe(match, drafted, accepted)
+    return lengths
+
+
+def test_draft_length_takes_the_count_with_the_most_tokens_per_step_time() -> None:
+    copying = _learned(CPU_ROWS, 4, 7, 7, 30)  # four-token matches: every draft accepted
+    assert copying.acceptance(4) > 0.95
+    assert copying.choose(4, 7)[0] == 7  # 5 to 8 rows cost about the same: take them all
+    assert copying.choose(4, 5)[0] == 5  # no more than the lookup found
+    # One-token matches accepted about a third of the time: 4 rows (3 drafts) or fewer, not 5+.
+    loose = DraftLength(CPU_ROWS)
+    for accepted in [0, 0, 1, 0, 2, 0, 0, 1] * 4:
+        loose.observe(1, 7, accepted)
+    count, gain = loose.choose(1, 7)
+    rate = loose.acceptance(1)
+    assert 0.2 < rate < 0.5 and count <= 3
+    assert gain == pytest.approx(sum(rate**j for j in range(count + 1)) / CPU_ROWS[count])
+    assert all(gain >= sum(rate**j for j in range(k + 1)) / CPU_ROWS[k] for k in range(1, 8))
+    assert loose.choose(4, 7)[0] == 2  # an unseen match length starts from even odds: 3 rows
+    # Where extra rows cost nothing (a GPU at batch 1), every draft is verified, whatever the odds.
+    flat = _learned((1.0,) * 8, 1, 7, 0, 30)
+    assert flat.choose(1, 7) == (7, pytest.approx(sum(flat.acceptance(1) ** j for j in range(8))))
+    # The estimate follows the workload: a run of full acceptances after rejections lifts it.
+    for _ in range(40):
+        loose.observe(1, 7, 7)
+    assert loose.choose(1, 7)[0] == 7
+
+
+def test_step_times_become_costs_relative_to_one_row_that_never_fall() -> None:
+    lengths = DraftLength.from_step_times([0.010, 0.0105, 0.0102, 0.020])
+    assert lengths.row_costs == pytest.approx((1.0, 1.05, 1.05, 2.0))
+    assert "1.00, 1.05, 1.05, 2.00" in lengths.describe()
+    with pytest.raises(ValueError):
+        DraftLength((1.0,))
+
+
+def test_a_lone_request_verifies_the_chosen_count_and_others_every_draft_found() -> None:
+    config = SpeculativeConfig("ngram", 7, 1, 4)
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1]  # [9, 1] occurred: 2, 3, ... 8 follow (7 tokens)
+    speculator = Speculator(config, max_model_len=10_000, lengths=_learned(CPU_ROWS, 2, 7, 0, 30))
+    alone = _request("alone", tokens)
+    speculator.propose([alone])
+    assert alone.draft_token_ids == [2]  # two-token matches have been rejected: one draft
+    speculator.verified("alone", 1, 1)
+    other = _request("other", tokens)
+    speculator.propose([alone, other])  # beside another request: every draft the lookup found
+    assert alone.draft_token_ids == other.draft_token_ids == [2, 3, 4, 5, 6, 7, 8]
+    for _ in range(40):  # both verifications teach the estimate for two-token matches
+        speculator.verified("alone", 7, 7)
+        speculator.propose([alone, other])
+    speculator.propose([alone])
+    assert alone.draft_token_ids == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_lone_request_backs_off_once_its_steps_are_expected_to_lose() -> None:
+    config = SpeculativeConfig("ngram", 3, 1, 2)
+    for costs, bound in ((CPU_ROWS[:4], 30 + 1000 // (MAX_BACKOFF_STEPS + 1) + 8), ((1.0,) * 4, 1000)):
+        speculator = Speculator(config, max_model_len=10_000, lengths=DraftLength(costs))
+        request = _request("r", [1, 2, 3, 1, 2, 3, 1, 2])
+        verifications = 0
+        for _ in range(1000):
+            speculator.propose([request])
+            if request.draft_token_ids:
+                verifications += 1
+                speculator.verified("r", len(request.draft_token_ids), 0)
+        # Extra rows cost: once the estimate says a draft rarely lands, the back-off's schedule
+        # holds; rows that cost nothing are verified every step (they lose nothing).
+        assert verifications <= bound if costs != (1.0,) * 4 else verifications == bound

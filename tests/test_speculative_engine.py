@@ -105,3 +105,29 @@ def test_greedy_output_is_unchanged_by_speculation_and_no_block_leaks(core: Torc
     assert sum(stats.spec_accepted_per_position) == counts.num_accepted_tokens
     choice = next(p for p in core.info.paths if p.name == "speculative_decoding")
     assert choice.used and "ngram" in choice.reason
+
+
+def test_start_up_times_steps_by_rows_and_leaves_nothing_behind(core: TorchEngineCore) -> None:
+    """The warm-up timed a lone request's steps verifying 0..4 drafts (the config's 4): the costs
+    the draft count is chosen by, shown in /v1/metadata; its request left no block or count."""
+    speculator = core.speculator
+    assert speculator is not None and speculator.lengths is not None and speculator.calibrating is None
+    costs = speculator.lengths.row_costs
+    assert len(costs) == 5 and costs[0] == 1.0
+    assert list(costs) == sorted(costs)
+    choice = next(p for p in core.info.paths if p.name == "speculative_decoding")
+    assert "timed at start" in choice.reason and f"{costs[-1]:.2f}" in choice.reason
+    if not core.has_work():
+        core.pool.check_invariants()
+        assert core.pool.num_free == core.pool.num_blocks
+
+
+def test_a_context_too_short_to_time_steps_keeps_the_configured_count() -> None:
+    settings = load_settings(num_threads=1, max_model_len=24, kv_cache_max_tokens=64, speculative_config=SPEC)
+    short = build_core(config_for(settings))
+    short.start(lambda: None, lambda error: None)
+    try:
+        assert short.speculator is not None and short.speculator.lengths is None
+        assert short.pool.num_free == short.pool.num_blocks
+    finally:
+        short.shutdown()

@@ -73,6 +73,7 @@ from service.engine.torch.request import Request
 from service.engine.torch.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from service.engine.torch.speculative.choice import speculation
 from service.engine.torch.speculative.draft import DraftModel
+from service.engine.torch.speculative.draft_length import DraftLength
 from service.engine.torch.step_plan import StepPlan
 from service.engine.torch.tp_group import TensorParallelError, TPGroup
 from service.model.config import ModelConfig
@@ -80,6 +81,9 @@ from service.text.tokenizer import Tokenizer
 from service.util import one_line
 
 log = logging.getLogger(__name__)
+
+WARM_UP_TEXT = "Warm-up: the quick brown fox jumps over the lazy dog"
+ROW_TIMING_ROUNDS = 3  # each row count's step time is the median of this many, in alternating order
 
 
 @dataclass(frozen=True)
@@ -404,11 +408,13 @@ class TorchEngineCore:
     def _warm_up(self) -> None:
         """Run a prefill and decode steps through the real path and capture the decode graphs
         (before readiness); stats and the prefix cache forget it."""
-        prompt = self._tokenizer.encode("Warm-up: the quick brown fox jumps over the lazy dog", True)
+        prompt = self._tokenizer.encode(WARM_UP_TEXT, True)
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         outputs = self.add_request(GenerationRequest("warm-up", prompt, params, time.monotonic()))
         while not any(out.finished for out in outputs):
             outputs = self.step()
+        if self.speculator is not None and self.speculator.draft is None:
+            self._time_steps_by_rows(prompt)
         with torch.inference_mode():
             if self.runner.decode_graphs is not None:
                 self.runner.decode_graphs.capture()
@@ -418,3 +424,42 @@ class TorchEngineCore:
         if self.speculator is not None:
             self.speculator.reset_counts()
         self.stats_publisher.reset()
+
+    def _time_steps_by_rows(self, prompt: list[int]) -> None:
+        """Time a lone request's steps verifying 0..K drafts (its last token repeated, verified as
+        any drafts are: the output stays exact), so prompt lookup chooses each step's draft count
+        by what rows cost here (speculative.draft_length); /v1/metadata shows the costs."""
+        speculator = self.speculator
+        assert speculator is not None
+        rows = speculator.config.num_speculative_tokens + 1
+        room = self.config.max_model_len - len(prompt) - 1  # every draft accepted, at worst
+        if room < ROW_TIMING_ROUNDS * rows:
+            log.info("speculative decoding: %d drafts a step (too short a context to time steps)", rows - 1)
+            return
+        params = SamplingParams(
+            max_tokens=min(room, ROW_TIMING_ROUNDS * rows * rows), temperature=0.0, ignore_eos=True
+        )
+        outputs = self.add_request(GenerationRequest("row-timing", prompt, params, time.monotonic()))
+        seconds: list[list[float]] = [[] for _ in range(rows)]
+        try:
+            while not outputs and self.has_work():  # the prompt, to its first token
+                outputs = self.step()
+            for round_ in range(ROW_TIMING_ROUNDS):
+                for drafts in range(rows) if round_ % 2 == 0 else reversed(range(rows)):
+                    if any(out.finished for out in outputs):
+                        break
+                    speculator.calibrating = drafts
+                    started = time.perf_counter()
+                    outputs = self.step()
+                    seconds[drafts].append(time.perf_counter() - started)
+        finally:
+            speculator.calibrating = None
+            self.abort("row-timing")
+        if any(len(times) < ROW_TIMING_ROUNDS for times in seconds):
+            log.info("speculative decoding: %d drafts a step (too short a context to time steps)", rows - 1)
+            return
+        medians = [sorted(times)[len(times) // 2] for times in seconds]
+        speculator.lengths = DraftLength.from_step_times(medians)
+        reason = f"{self._speculation.reason}; {speculator.lengths.describe()}"
+        self._speculation = replace(self._speculation, reason=reason)
+        log.info("speculative decoding: %s", speculator.lengths.describe())

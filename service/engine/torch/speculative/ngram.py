@@ -21,9 +21,15 @@ _WIDTH = array("i").itemsize
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
     """Up to `num_tokens` tokens to follow `token_ids`, by prompt lookup; [] when no suffix of
     min_n..max_n tokens occurred before."""
+    return lookup(token_ids, num_tokens, min_n, max_n)[0]
+
+
+def lookup(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """propose_ngram's tokens and the length of the suffix that matched (0: none): a longer match
+    predicts the text more reliably (speculative.draft_length keeps acceptance by it)."""
     length = len(token_ids)
     if num_tokens < 1 or length <= min_n:
-        return []
+        return [], 0
     haystack = array("i", token_ids).tobytes()
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         needle = haystack[(length - n) * _WIDTH :]
@@ -34,6 +40,6 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
                 break
             if at % _WIDTH == 0:  # aligned on a token
                 start = at // _WIDTH + n
-                return list(token_ids[start : start + num_tokens])
+                return list(token_ids[start : start + num_tokens]), n
             end = at + len(needle) - 1
-    return []
+    return [], 0

@@ -8,6 +8,12 @@ MAX_BACKOFF_STEPS), and any accepted draft resets it. A workload with nothing to
 spends about one step in MAX_BACKOFF_STEPS verifying, while one that repeats its input speculates
 on every step. (A proposal the lookup cannot make costs no step at all: the request decodes.)
 
+Draft counts: a request decoding alone (the case speculation is for: one stream faster than its
+weights can be read) verifies the number of prompt-lookup drafts that `lengths` (draft_length.py,
+timed by the core at start-up) expects to bring the most tokens per unit of step time; where that
+gain is at least 1 it speculates through a back-off, since the step is expected to win. Beside
+other requests it verifies every draft the lookup found, up to num_speculative_tokens.
+
 Counters are vLLM's: drafts (verifications), draft tokens, accepted tokens, and accepted tokens by
 position in the proposal (bench/README.md and the metrics table name them).
 """
@@ -22,7 +28,8 @@ import torch
 from service.engine.speculative_config import SpeculativeConfig
 from service.engine.torch.request import Request
 from service.engine.torch.speculative.draft import DraftModel
-from service.engine.torch.speculative.ngram import propose_ngram
+from service.engine.torch.speculative.draft_length import DraftLength
+from service.engine.torch.speculative.ngram import lookup
 
 MAX_BACKOFF_STEPS = 64
 
@@ -51,7 +58,13 @@ class Speculator:
     # This step's proposals' distributions, by request (sampled rows of a draft model; absent:
     # point masses at the drafts). Verification reads them (ModelRunner.execute).
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Prompt lookup's draft counts for a lone request (None: the configured count); the core sets it.
+    lengths: DraftLength | None = None
+    # Start-up only (the core's timing of steps by rows): every decoding request verifies this many
+    # drafts, its last token repeated, whatever the lookup would find.
+    calibrating: int | None = None
     _backoff: dict[str, _Backoff] = field(default_factory=dict)
+    _matches: dict[str, int] = field(default_factory=dict)  # this step's lookup match length, by request
     _drafts: int = 0
     _draft_tokens: int = 0
     _accepted: int = 0
@@ -72,9 +85,16 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> None:
         """Set the draft tokens of the decoding requests that speculate this step."""
         self.draft_probs = {}
+        self._matches = {}
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             return
+        if self.calibrating is not None:
+            for request in running:
+                count = min(self.calibrating, self._budget(request))
+                request.draft_token_ids = [request.token_ids[-1]] * max(count, 0)
+            return
+        lone = self.lengths is not None and len(running) == 1
         wanted: list[tuple[Request, int]] = []
         for request in running:
             request.draft_token_ids = []
@@ -82,23 +102,43 @@ class Speculator:
             if budget < 1:
                 continue
             state = self._backoff.setdefault(request.request_id, _Backoff())
-            if state.skip:
+            backing_off = state.skip > 0
+            if backing_off:
                 state.skip -= 1
-                continue
-            wanted.append((request, budget))
+            if lone:
+                self._propose_alone(request, budget, backing_off)
+            elif not backing_off:
+                wanted.append((request, budget))
         if not wanted:
             return
         if self.draft is None:
-            config = self.config
             for request, budget in wanted:
-                request.draft_token_ids = propose_ngram(
-                    request.token_ids, budget, config.prompt_lookup_min, config.prompt_lookup_max
-                )
+                tokens, match = self._lookup(request, budget)
+                request.draft_token_ids = tokens
+                if tokens:
+                    self._matches[request.request_id] = match
             return
         for (request, _), proposal in zip(wanted, self.draft.propose(wanted), strict=True):
             request.draft_token_ids = proposal.token_ids
             if proposal.probs is not None:
                 self.draft_probs[request.request_id] = proposal.probs
+
+    def _propose_alone(self, request: Request, budget: int, backing_off: bool) -> None:
+        """A lone request's prompt-lookup drafts, as many as `lengths` chooses; while it backs off,
+        only where the step is expected to win."""
+        assert self.lengths is not None
+        tokens, match = self._lookup(request, budget)
+        if not tokens:
+            return
+        count, gain = self.lengths.choose(match, len(tokens))
+        if backing_off and gain < 1.0:
+            return
+        request.draft_token_ids = tokens[:count]
+        self._matches[request.request_id] = match
+
+    def _lookup(self, request: Request, budget: int) -> tuple[list[int], int]:
+        config = self.config
+        return lookup(request.token_ids, budget, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def _budget(self, request: Request) -> int:
         """How many drafts `request` may verify now: 0 unless it is decoding, unconstrained and
@@ -116,6 +156,9 @@ class Speculator:
         self._accepted += num_accepted
         for position in range(num_accepted):
             self._per_position[position] += 1
+        match = self._matches.pop(request_id, None)
+        if match is not None and self.lengths is not None:
+            self.lengths.observe(match, num_drafts, num_accepted)
         state = self._backoff.setdefault(request_id, _Backoff())
         if num_accepted:
             state.skip, state.penalty = 0, 1
@@ -125,6 +168,7 @@ class Speculator:
 
     def ended(self, request_id: str) -> None:
         self._backoff.pop(request_id, None)
+        self._matches.pop(request_id, None)
         self.draft_probs.pop(request_id, None)
         if self.draft is not None:
             self.draft.ended(request_id)
