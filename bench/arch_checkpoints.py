@@ -1,8 +1,8 @@
 """Small random checkpoints of the non-Llama families, and their GGUF conversions, for comparing
 this server with llama.cpp's llama-server on the same weights (bench/compare_llama.py).
 
-    .venv/bin/python bench/arch_checkpoints.py --out ~/.cache/nim-bench/arch   # prints one line per family:
-                                                                               # <family> <HF dir> <GGUF>
+    .venv/bin/python bench/arch_checkpoints.py --out ~/.cache/nim-bench/arch [--quantize]
+    # prints one line per family: <family> <HF dir> <f32 GGUF> [<Q4_1 GGUF>]
 
 Each family gets a Hugging Face directory written by transformers (random weights, seeded, float32
 safetensors) with the embedded model's tokenizer (SmolLM2's 49,152-token BPE and its ChatML
@@ -16,6 +16,13 @@ a BPE tokenizer by hashing how it splits a test string; the rebuilt tokenizer is
 vocabulary without its exact pre-tokenizer, so the hash is unknown and the converter is told it is
 "smollm" (the GGUF then splits text as llama.cpp splits SmolLM2's; prompt token counts may differ
 from ours by a few percent).
+
+With --quantize each f32 GGUF also gets a Q4_1 copy by llama.cpp's own llama-quantize (built beside
+llama-server by bench/build_llama_server.sh), token embeddings and output in Q8_0: the embedded
+GGUF's mix, and the same weight bytes as this server's int4_wo profile (group-32 int4 with a
+scale and zero, an int8 logits head). Compare like with like: where this server selects int4_wo
+for a float checkpoint (hosts with bf16 activations), its figures go against the Q4_1 file, not
+the f32 one (bench/README.md "The families against llama-server at equal precision").
 
 Shapes (about the size of the embedded 135M model's per-token work, so decode is compute-bound on
 a CPU as the embedded comparison is):
@@ -126,6 +133,23 @@ def convert(directory: Path, gguf: Path, llama_tree: Path) -> Path:
     return gguf
 
 
+def quantize(f32: Path, tool: Path) -> Path:
+    """`f32` as Q4_1 (token embeddings and output Q8_0) by llama-quantize, beside it."""
+    out = f32.with_name(f32.name.replace(".f32.gguf", ".q4_1.gguf"))
+    if out.is_file():
+        return out
+    argv = [str(tool), "--output-tensor-type", "q8_0", "--token-embedding-type", "q8_0"]
+    subprocess.run([*argv, str(f32), str(out), "Q4_1"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def llama_quantize() -> Path:
+    found = sorted(LLAMA_WORK.glob("build-*/bin/llama-quantize"))
+    if not found:
+        raise SystemExit(f"no llama-quantize under {LLAMA_WORK}: run bench/build_llama_server.sh first")
+    return found[-1]
+
+
 def llama_tree() -> Path:
     found = sorted(LLAMA_WORK.glob("src-*/llama_cpp_python-*/vendor/llama.cpp"))
     if not found:
@@ -139,12 +163,15 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path.home() / ".cache" / "nim-bench" / "arch")
     parser.add_argument("--families", nargs="+", default=["qwen3_moe", "gemma3"])
+    parser.add_argument("--quantize", action="store_true", help="also a Q4_1 GGUF of each (llama-quantize)")
     args = parser.parse_args()
     tree = llama_tree()
+    tool = llama_quantize() if args.quantize else None
     for family in args.families:
         directory = write_checkpoint(family, args.out)
         gguf = convert(directory, args.out / f"tiny-{family}.f32.gguf", tree)
-        print(family, directory, gguf)
+        quantized = [quantize(gguf, tool)] if tool is not None else []
+        print(family, directory, gguf, *quantized)
 
 
 if __name__ == "__main__":
