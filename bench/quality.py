@@ -8,6 +8,9 @@ Per precision (the model built as the engine builds it: same loader, same CPU pr
 - greedy agreement with the reference precision (bf16) over the 50 prompts of
   tests/data/prompts.txt, chat-formatted: share of prompts whose first --tokens generated tokens
   are identical, and the mean length of the common prefix;
+- "int4_wo+dense": int4_wo with its prompts (the perplexity windows, each greedy prompt) through
+  the bf16 copies NIM_DENSE_PROMPT_ROWS attaches (service/engine/models/prompt_rows.py), decode
+  steps on the int4 kernel, as the engine serves it under bf16 activations;
 - decode tok/s at batch 1 and 32 (dense KV cache, greedy, no serving overhead) and the achieved
   weight bandwidth: bytes of weights read per step x steps per second.
 """
@@ -29,9 +32,11 @@ from engine_bench import DenseAttention
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from service.engine.models import prompt_rows  # noqa: E402
 from service.engine.models.attention import CausalAttention  # noqa: E402
 from service.engine.models.base import BuildOptions  # noqa: E402
 from service.engine.models.loader import build_model, load_gguf  # noqa: E402
+from service.engine.models.quant_linear import Int4Linear  # noqa: E402
 from service.engine.torch.device import choose_dtype  # noqa: E402
 from service.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -40,13 +45,30 @@ def embedded_gguf() -> Path:
     return next((REPO / "model_store" / "smollm2-135m-instruct").glob("*.gguf"))
 
 
+DENSE = "+dense"  # a precision's suffix: prompt rows through dense bf16 copies
+
+
 def load(path: Path, precision: str):
-    dtype = torch.float32 if precision == "fp32" else choose_dtype("auto", torch.device("cpu"))
-    config, weights = load_gguf(path, precision)
+    base = precision.removesuffix(DENSE)
+    dtype = torch.float32 if base == "fp32" else choose_dtype("auto", torch.device("cpu"))
+    config, weights = load_gguf(path, base)
     model = build_model(
         config, weights, dtype, "cpu", BuildOptions(prepack_cpu=True)
     )  # as the engine builds it
+    if precision.endswith(DENSE):
+        layers = [layer.module for layer in model.linear_layers() if isinstance(layer.module, Int4Linear)]
+        if not layers or dtype != torch.bfloat16 or any(m.attach_dense() for m in layers):
+            raise SystemExit(f"{precision}: needs native int4 layers under bf16 activations")
+    model.dense_prompts = precision.endswith(DENSE)
     return model, config, dtype
+
+
+def prompt_forward(model, ids: torch.Tensor, positions: torch.Tensor, attention):
+    """The model over a prompt: every row through the dense copies where the model holds them."""
+    if not model.dense_prompts:
+        return model(ids, positions, attention)
+    with prompt_rows.split(len(ids), list(range(len(ids)))):
+        return model(ids, positions, attention)
 
 
 @torch.inference_mode()
@@ -56,7 +78,7 @@ def perplexity(model, ids: list[int], window: int) -> float:
         chunk = torch.tensor(ids[start : start + window + 1])
         if len(chunk) < 2:
             break
-        hidden = model(chunk[:-1], torch.arange(len(chunk) - 1), CausalAttention())
+        hidden = prompt_forward(model, chunk[:-1], torch.arange(len(chunk) - 1), CausalAttention())
         logits = model.compute_logits(hidden)
         nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
         count += len(chunk) - 1
@@ -68,7 +90,7 @@ def greedy(model, config, dtype, prompt: list[int], tokens: int) -> list[int]:
     cache = DenseAttention(
         config.num_layers, 1, config.num_kv_heads, config.head_dim, len(prompt) + tokens, dtype, "cpu"
     )
-    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    hidden = prompt_forward(model, torch.tensor(prompt), torch.arange(len(prompt)), cache)
     cache.pos = len(prompt)
     out = [int(model.compute_logits(hidden[-1:]).argmax(-1))]
     for _ in range(tokens - 1):

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.config_cpu import CpuFields
 from service.config_responses import ResponsesStoreFields
 from service.config_speculative import SpeculativeFields
 from service.config_values import LogLevel, chat_template_source, lora_modules
@@ -45,7 +46,7 @@ def _env(name: str) -> AliasChoices:
     return AliasChoices(name)
 
 
-class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSettings):
+class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, CpuFields, BaseSettings):
     """Service settings. Field docs are the configuration table in docs/configuration.md."""
 
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, frozen=True)
@@ -300,13 +301,6 @@ class Settings(SettingsViews, SpeculativeFields, ResponsesStoreFields, BaseSetti
         "of at most 16 rows through a Triton fp8 rows kernel, each once a start-up check against the "
         "dequantized matmul passes (else the next path, with a log line); scaled-mm: _scaled_mm at every "
         "size; off: emulated (weights dequantized for each matmul).",
-    )
-    compact_logits: Literal["auto", "off"] = Field(
-        "auto",
-        validation_alias=_env("NIM_COMPACT_LOGITS"),
-        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection in half "
-        "the bytes: with bf16 activations as int8 with one scale per row (the embedding too), with fp32 "
-        "activations as float16 computed in float32 (fbgemm); off: in the activation dtype.",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -92,6 +92,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         fp8_scaled_mm=settings.fp8_scaled_mm != "off",
         fp8_rows_kernel=settings.fp8_scaled_mm == "auto",
         compact_logits=settings.compact_logits == "auto",
+        dense_prompt_rows=settings.dense_prompt_rows == "auto",
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,

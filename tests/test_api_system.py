@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from service.host import cpu_has_fast_bf16
 from tests.conftest import EMBEDDED_NAME, embedded_default_precision, start_server, wait_ready
 
 
@@ -41,9 +42,13 @@ def test_version_and_metadata(base_url: str) -> None:
         "engine_process",
         "speculative_decoding",
         "compact_logits",
+        "dense_prompt_rows",
     }
-    # The CPU, defaults: the int8 logits only where the default is int4_wo with bf16 activations.
-    assert paths.pop("compact_logits")["used"] == (embedded_default_precision() == "int4_wo")
+    # The CPU, defaults: the int8 logits only where the default is int4_wo with bf16 activations,
+    # and there (a bf16 matmul) its prompt rows through dense bf16 copies.
+    int4 = embedded_default_precision() == "int4_wo"
+    assert paths.pop("compact_logits")["used"] == int4
+    assert paths.pop("dense_prompt_rows")["used"] == (int4 and cpu_has_fast_bf16())
     assert not any(path["used"] for path in paths.values())
     assert "CUDA only" in paths["unified_attention"]["reason"]
     assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"

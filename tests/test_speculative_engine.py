@@ -12,7 +12,7 @@ import pytest
 
 from service.config_loading import load_settings
 from service.engine.protocol import GenerationRequest, SamplingParams
-from service.engine.torch.block_pool import hash_block, root_hash
+from service.engine.torch.block_pool import OUTPUT_TAG, hash_block, root_hash
 from service.engine.torch.core import TorchEngineCore
 from service.engine.torch.loading import build_core
 from service.serving import config_for
@@ -96,7 +96,9 @@ def test_greedy_output_is_unchanged_by_speculation_and_no_block_leaks(core: Torc
         sequence = [*prompt.prompt_token_ids, *generated]
         parent = root_hash(None)
         for i in range(len(sequence) // size):
-            parent = hash_block(parent, sequence[i * size : (i + 1) * size])
+            # Blocks holding output tokens are tagged where prompt rows run dense (prompt_rows).
+            output = core.runner.dense_prompts and (i + 1) * size > len(prompt.prompt_token_ids)
+            parent = hash_block(parent, sequence[i * size : (i + 1) * size], OUTPUT_TAG if output else b"")
             valid.add(parent)
     published = {block.block_hash for block in pool.blocks if block.block_hash is not None}
     assert published and published <= valid

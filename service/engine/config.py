@@ -213,6 +213,7 @@ class EngineConfig:
     fp8_scaled_mm: bool = True
     fp8_rows_kernel: bool = True  # and steps of at most 16 rows through the Triton rows kernel
     compact_logits: bool = True  # the CPU, weight-only int: an int8 or float16 head (NIM_COMPACT_LOGITS)
+    dense_prompt_rows: bool = True  # the CPU, int4 under bf16: prompt rows dense (NIM_DENSE_PROMPT_ROWS)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

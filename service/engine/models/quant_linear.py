@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models import triton_fp8
+from service.engine.models import prompt_rows, triton_fp8
 from service.engine.models.quant import (
     E2M1_VALUES,
     FORMATS,
@@ -91,6 +91,7 @@ class Int4Linear(QuantLinear):
     nibbles: Tensor  # emulated: uint8 [N, K / 2], and the format's scales
     scale: Tensor
     zero: Tensor
+    dense: prompt_rows.DenseWeight | None = None  # native, where prompt rows go dense (attach_dense)
 
     def __init__(
         self, weight: Int4Weight, bias: nn.Parameter | None, dtype: torch.dtype, device: torch.device
@@ -122,6 +123,18 @@ class Int4Linear(QuantLinear):
         if self.native:
             self.scales_zeros = self.scales_zeros.to(dtype)
 
+    def attach_dense(self) -> str | None:
+        """Hold the weight dequantized to bf16 as well, for a step's prompt rows (prompt_rows);
+        None, or why it cannot."""
+        assert self.native and self.dtype == torch.bfloat16, "dense prompt rows: native int4, bf16"
+        weight = prompt_rows.dense_int4(
+            self.packed, self.scales_zeros, self.group_size, self.out_features, self.in_features
+        )
+        if isinstance(weight, str):
+            return weight
+        self.dense = prompt_rows.DenseWeight(weight)
+        return None
+
     def dequantized(self) -> Tensor:
         if self.native:
             raise RuntimeError("packed int4 weights are not dequantized")
@@ -132,12 +145,26 @@ class Int4Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.native:
             return F.linear(x, self.dequantized(), self.bias)
+        dense = self.dense
+        split = prompt_rows.current(x.shape[0]) if dense is not None else None
+        if dense is not None and split is not None:
+            if split.all_dense:
+                out = dense.matmul(x)
+            else:
+                out = x.new_empty(x.shape[0], self.out_features)
+                out[split.dense] = dense.matmul(x[split.dense])
+                out[split.rest] = self._kernel(x[split.rest])
+            return out if self.bias is None else out + self.bias
+        out = self._kernel(x)
+        return out if self.bias is None else out + self.bias
+
+    def _kernel(self, x: Tensor) -> Tensor:
         kernel = self.scales_zeros.dtype
         out = cast(Tensor, _INT4_MM_CPU(x.to(kernel), self.packed, self.group_size, self.scales_zeros))
         out = out.to(x.dtype)
         if out.shape[-1] != self.out_features:
             out = out[..., : self.out_features]
-        return out if self.bias is None else out + self.bias
+        return out
 
 
 class Int8Linear(QuantLinear):

@@ -39,13 +39,19 @@ def root_hash(salt: str | None) -> BlockHash:
     return hashlib.blake2b(b"salt\x00" + salt.encode(), digest_size=16).digest()
 
 
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Content hash of a full block, chained to its prefix.
+# Marks a block holding output tokens where prompt and output tokens are computed by different
+# kernels (service/engine/models/prompt_rows.py): such a block is found only by what computes it alike.
+OUTPUT_TAG = b"output\x00"
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], tag: bytes = b"") -> BlockHash:
+    """Content hash of a full block, chained to its prefix (and `tag`: how its tokens' keys and
+    values were computed, where that differs by token).
 
     A cryptographic hash (not Python's `hash`): a collision would serve one request another
     request's keys and values, and token ids are attacker-controlled.
     """
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(parent + tag + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 def event_id(block_hash: BlockHash) -> int:

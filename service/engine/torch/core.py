@@ -331,6 +331,7 @@ class TorchEngineCore:
             raise ValueError(f"duplicate request id {gen.request_id!r}")
         output = OutputProcessor(self._tokenizer, gen.sampling, num_prompt, self.config.max_model_len)
         request = Request.from_generation(gen, tuple(sorted(output.stop_token_ids)))
+        request.tag_outputs = self.runner.dense_prompts  # its outputs' blocks are hashed apart
         self.scheduler.add(request)  # refuses an adapter where none is served
         prompt_logprobs: list[TokenLogprob | None] | None = None
         if gen.sampling.prompt_logprobs is not None:

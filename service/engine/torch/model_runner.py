@@ -21,6 +21,7 @@ import torch
 
 from service.engine.guided.compiler import GrammarCompiler
 from service.engine.guided.row import GuidedRow
+from service.engine.models import prompt_rows
 from service.engine.models.base import CausalLM
 from service.engine.protocol import ErrorCause, TokenLogprob
 from service.engine.torch.cuda_graphs import CudaGraphDecoder
@@ -124,6 +125,12 @@ class ModelRunner:
         config = model.config
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self._rows: dict[str, _RowState] = {}
+        # Prompt rows go through dense weights where the loader attached them (prompt_rows; a
+        # LoRA wrapper hands its base layer every row).
+        self.dense_prompts = any(
+            getattr(getattr(layer.module, "base", layer.module), "dense", None) is not None
+            for layer in model.linear_layers()
+        )
 
     @property
     def num_live_requests(self) -> int:
@@ -397,12 +404,32 @@ class ModelRunner:
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [T]
         pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [T]
         meta = self._metadata(plan)
+        dense = self._prompt_rows(plan) if self.dense_prompts else []
         scripted = self.path.scripted
-        if scripted is not None and scripted.can_run(meta):
-            return scripted(ids, pos, meta)
+        if not dense and scripted is not None and scripted.can_run(meta):
+            return scripted(ids, pos, meta)  # (a prompt's one-token chunk runs eagerly: dense)
         attention = PagedAttention(self.pool, meta, self.num_heads, self.head_dim)
-        hidden: torch.Tensor = self.model(ids, pos, attention)  # [T, H]
+        if not dense:
+            hidden: torch.Tensor = self.model(ids, pos, attention)  # [T, H]
+            return hidden
+        with prompt_rows.split(plan.num_tokens, dense):
+            hidden = self.model(ids, pos, attention)
         return hidden
+
+    def _prompt_rows(self, plan: StepPlan) -> list[int]:
+        """The step's rows that are tokens of their request's own prompt (prompt_rows: they go
+        through the dense weights): a prefix of each sequence's query."""
+        rows: list[int] = []
+        start = 0
+        for request_id, num_query, context_len in zip(
+            plan.request_ids, plan.query_lens, plan.context_lens, strict=True
+        ):
+            state = self._rows.get(request_id)
+            prompt = len(state.new.prompt_token_ids) if state is not None else 0
+            computed = context_len - num_query
+            rows.extend(range(start, start + max(0, min(context_len, prompt) - computed)))
+            start += num_query
+        return rows
 
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         device = self.device

@@ -33,6 +33,7 @@ from service.engine.precision import FLOAT_PRECISIONS, PRECISION_SPECS, Mode, pr
 from service.engine.protocol import PathChoice
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.decode_path import DecodeOptions, captures_graphs
+from service.engine.torch.dense_prompts import dense_prompt_path
 from service.engine.torch.device import choose_device, choose_dtype, free_memory_bytes
 from service.engine.torch.kv_pool import KVCacheSpec
 from service.engine.torch.lora_slots import LoraSlots
@@ -230,7 +231,8 @@ def load_rank(
     except UnsupportedModelError as error:
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     fp8, mode = _fp8_path(model, config, mode)
-    paths = (fp8, fused, logits)
+    dense = dense_prompt_path(model, config.dense_prompt_rows, device, dtype, layout is not None)
+    paths = (fp8, fused, logits, dense)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
     log.info(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from service.engine.models.lora_ops import NO_ADAPTER
 from service.engine.protocol import GenerationRequest, SamplingParams
-from service.engine.torch.block_pool import BlockHash, hash_block, root_hash
+from service.engine.torch.block_pool import OUTPUT_TAG, BlockHash, hash_block, root_hash
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +37,10 @@ class Request:
     adapter: str | None = None  # the LoRA adapter it runs (None: the base model)
     lora_slot: int = NO_ADAPTER  # the device slot holding its adapter, while it holds one
     cache_salt: str | None = None  # what besides the tokens changes their KV (an adapter)
+    # Its output tokens' keys and values come from another kernel than its prompt's (dense prompt
+    # rows): blocks holding any are hashed apart (block_pool.OUTPUT_TAG), so a later prompt that
+    # continues them computes its own.
+    tag_outputs: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -76,7 +80,7 @@ class Request:
         while len(self.block_hashes) < num_full:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
-            self.block_hashes.append(
-                hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size])
-            )
+            output = self.tag_outputs and (i + 1) * block_size > self.num_prompt_tokens
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hash_block(parent, tokens, OUTPUT_TAG if output else b""))
         return self.block_hashes

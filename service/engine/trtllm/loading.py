@@ -106,6 +106,8 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
     if not config.compact_logits:
         raise refuse("NIM_COMPACT_LOGITS applies to the torch engine; unset it")
+    if not config.dense_prompt_rows:
+        raise refuse("NIM_DENSE_PROMPT_ROWS applies to the torch engine; unset it")
     if config.speculative is not None:
         raise refuse(
             "NIM_SPECULATIVE_CONFIG / NIM_DRAFT_MODEL_PATH: speculative decoding is not passed to "

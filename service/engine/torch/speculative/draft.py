@@ -221,6 +221,7 @@ def load_draft(
         max_model_len=max_model_len,
         lora=None,
         speculative=None,
+        dense_prompt_rows=False,  # the draft's forward runs outside the step's row split
     )
     if draft_config.load_tokenizer().backend.get_vocab() != tokenizer.backend.get_vocab():
         raise UnsupportedConfigError(
