@@ -3,11 +3,12 @@
 aten's CPU int4 kernel computes a matmul in blocks of 4 rows, dequantizing the weight again for
 each block: a prompt chunk of 160 rows costs 40 times a 4-row decode (the embedded model's gate_up:
 3.61 ms), where oneDNN's bf16 matmul of the same layer takes 0.48 ms with AMX (bench/README.md).
-So, where this is chosen (rank_loading: bf16 activations, no tensor parallelism, the probe below,
-NIM_DENSE_PROMPT_ROWS), each decoder layer's native int4 projection also holds its weight
-dequantized to bf16 (`attach`: 2 bytes a weight beside the int4's ~0.6), and the rows of a step
-that are tokens of their request's own prompt go through it; every other row (decodes, verified
-drafts, a preempted request's recomputed output) stays on the int4 kernel. A token is therefore
+So, where this is chosen (service/engine/torch/dense_prompts.py: bf16 activations, no tensor
+parallelism, the probe below, NIM_DENSE_PROMPT_ROWS), each decoder layer's native int4 projection
+also holds its weight dequantized to bf16 (Int4Linear.attach_dense: 2 bytes a weight beside the
+int4's ~0.6), and the rows of a step that are tokens of their request's own prompt go through it;
+every other row (decodes, verified drafts, a preempted request's recomputed output) stays on the
+int4 kernel. A token is therefore
 always computed by one kind of row, whatever else shares its step or however its prompt is
 chunked: a prompt token dense, an output token int4.
 
@@ -38,7 +39,7 @@ from torch import Tensor
 PACK_BLOCKS = (64, 32)
 UNPACK_ROWS = 512  # output rows dequantized at a time (a multiple of each block)
 TILE = 64  # rows of every dense call: one shape, so one blocking for every row (see above)
-# Row counts the probe compares a tile's rows at (and positions they are moved to).
+# Positions in a tile the probe puts the same row at (among different other rows).
 PROBED_POSITIONS = (0, 1, 7, 31, 63)
 
 
