@@ -84,16 +84,22 @@ def _request(request_id: str, tokens: list[int], max_tokens: int = 100) -> Reque
     return request
 
 
+def _rejected_throughout(speculator: Speculator, request: Request, steps: int = 1000) -> int:
+    """`steps` steps in which every verification of `request` accepts nothing: how many there were."""
+    verifications = 0
+    for _ in range(steps):
+        speculator.propose([request])
+        if request.draft_token_ids:
+            verifications += 1
+            speculator.verified(request.request_id, len(request.draft_token_ids), 0)
+    return verifications
+
+
 def test_a_request_whose_drafts_are_rejected_backs_off_exponentially() -> None:
     config = SpeculativeConfig("ngram", 3, 1, 2)
     speculator = Speculator(config, max_model_len=10_000)
     request = _request("r", [1, 2, 3, 1, 2, 3, 1, 2])
-    verifications = 0
-    for _ in range(1000):
-        speculator.propose([request])
-        if request.draft_token_ids:
-            verifications += 1
-            speculator.verified("r", len(request.draft_token_ids), 0)  # nothing accepted
+    verifications = _rejected_throughout(speculator, request)
     # 1 + 2 + 4 + ... + 64, then one verification in every 65 steps
     assert verifications <= 7 + 1000 // (MAX_BACKOFF_STEPS + 1) + 1
     speculator.verified("r", 3, 2)  # an acceptance resets the back-off
@@ -216,15 +222,12 @@ def test_a_lone_request_verifies_the_chosen_count_and_others_every_draft_found()
 
 def test_a_lone_request_backs_off_once_its_steps_are_expected_to_lose() -> None:
     config = SpeculativeConfig("ngram", 3, 1, 2)
-    for costs, bound in ((CPU_ROWS[:4], 30 + 1000 // (MAX_BACKOFF_STEPS + 1) + 8), ((1.0,) * 4, 1000)):
+
+    def verifications(costs: tuple[float, ...]) -> int:
         speculator = Speculator(config, max_model_len=10_000, lengths=DraftLength(costs))
-        request = _request("r", [1, 2, 3, 1, 2, 3, 1, 2])
-        verifications = 0
-        for _ in range(1000):
-            speculator.propose([request])
-            if request.draft_token_ids:
-                verifications += 1
-                speculator.verified("r", len(request.draft_token_ids), 0)
-        # Extra rows cost: once the estimate says a draft rarely lands, the back-off's schedule
-        # holds; rows that cost nothing are verified every step (they lose nothing).
-        assert verifications <= bound if costs != (1.0,) * 4 else verifications == bound
+        return _rejected_throughout(speculator, _request("r", [1, 2, 3, 1, 2, 3, 1, 2]))
+
+    # Extra rows cost: once the estimate says a draft rarely lands, the back-off's schedule holds;
+    # rows that cost nothing are verified every step (they lose nothing).
+    assert verifications(CPU_ROWS[:4]) <= 30 + 1000 // (MAX_BACKOFF_STEPS + 1) + 8
+    assert verifications((1.0,) * 4) == 1000

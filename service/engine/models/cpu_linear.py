@@ -45,6 +45,21 @@ HALF_PROBED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 31, 33, 64)
 HALF_PROBE_ROWS = 96
 
 
+def order_sensitive_rows(rows: int, width: int) -> torch.Tensor:
+    """Probe inputs [rows, width] (float32) whose sum depends on the order of summation: ones
+    among +-2**25 terms that cancel, at a seeded random place in each row. Against weights of ones,
+    any difference in a kernel's blocking or split shows in its result, where random inputs hide
+    most such differences (they flip a bf16 rounding once in thousands of values)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.ones(rows, width)
+    quarter = width // 4
+    for row in range(rows):
+        order = torch.randperm(width, generator=generator)
+        x[row, order[:quarter]] = 2.0**25
+        x[row, order[quarter : 2 * quarter]] = -(2.0**25)
+    return x
+
+
 def prepacking_supported(dtype: torch.dtype, device: torch.device) -> bool:
     # torch leaves mkldnn.is_available unannotated.
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -86,20 +101,10 @@ class PackedLinear(nn.Module):
         differently from the same row in a larger batch.
 
         Kernel choice depends on the shapes, not the values, so the probe uses a layer of this
-        shape with weights of ones and inputs whose sum depends on the order of summation
-        (+-2**25 terms that cancel, among ones that float32 loses beside them): any difference
-        in blocking or split shows in the result. Random inputs hide most such differences,
-        which then flip a bf16 rounding once in thousands of values.
+        shape with weights of ones and `order_sensitive_rows` inputs.
         """
         rows = 4 * MIN_ROWS
-        generator = torch.Generator().manual_seed(0)
-        x = torch.ones(rows, self.in_features)
-        quarter = self.in_features // 4
-        for row in range(rows):
-            order = torch.randperm(self.in_features, generator=generator)
-            x[row, order[:quarter]] = 2.0**25
-            x[row, order[quarter : 2 * quarter]] = -(2.0**25)
-        x = x.to(self.dtype)
+        x = order_sensitive_rows(rows, self.in_features).to(self.dtype)
         ones = torch.ops.mkldnn._reorder_linear_weight(
             torch.ones(self.out_features, self.in_features, dtype=self.dtype), BATCH_HINT
         )

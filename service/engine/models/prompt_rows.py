@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from service.engine.models.cpu_linear import order_sensitive_rows
+
 # aten's CPU int4 layout packs output rows in blocks of 64 (its AVX-512 kernel) or 32 (AVX2).
 PACK_BLOCKS = (64, 32)
 UNPACK_ROWS = 512  # output rows dequantized at a time (a multiple of each block)
@@ -138,19 +140,13 @@ def dense_int4(
 def tile_problem(in_features: int, out_features: int) -> str | None:
     """Why TILE-row dense calls would not compute every row alike (None: they do): a row's result
     must not depend on the rows beside it or on its position in the tile. Checked on a layer of
-    this shape with inputs whose sum depends on the order of summation (cpu_linear.PackedLinear.
-    needs_padding's construction)."""
+    this shape with weights of ones and an input whose sum depends on the order of summation
+    (cpu_linear.order_sensitive_rows, as PackedLinear.needs_padding probes)."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "this CPU's oneDNN has no bf16 matmul"
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.ones(out_features, in_features, dtype=torch.bfloat16)
-    dense = DenseWeight(weight)
-    probe = torch.ones(in_features)
-    quarter = in_features // 4
-    order = torch.randperm(in_features, generator=generator)
-    probe[order[:quarter]] = 2.0**25
-    probe[order[quarter : 2 * quarter]] = -(2.0**25)
-    probe = probe.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)  # the other rows of each probed tile
+    dense = DenseWeight(torch.ones(out_features, in_features, dtype=torch.bfloat16))
+    probe = order_sensitive_rows(1, in_features)[0].to(torch.bfloat16)
     with torch.inference_mode():
         reference = None
         for position in PROBED_POSITIONS:
