@@ -8,7 +8,8 @@ logits head), the median time of: F.linear on float32 and bfloat16 weights, and
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (group 32) with float32 and bfloat16 inputs,
 and the float32 layers the engine builds: oneDNN's packed layer (PackedLinear, small batches padded
 where its probe says so) and fbgemm's float16 one (HalfPackedLinear, the compact logits head under
-float32 activations).
+float32 activations); and the int8 head with its input rows quantized too (W8A8Linear, the compact
+logits head under bf16 activations where its probe passes; "skipped" where it does not).
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear
+from service.engine.models.quant import Int8Weight
+from service.engine.models.w8a8 import W8A8Linear, w8a8_problem
 
 INT8_MM = torch.ops.aten._weight_int8pack_mm
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -75,6 +78,9 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
     with torch.inference_mode():
         result["packed_fp32"] = median_ms(lambda: packed(x), reps)
         result["fbgemm_fp16_weights"] = median_ms(lambda: half(x), reps)
+        if w8a8_problem(k) is None:
+            integer = W8A8Linear(Int8Weight.quantize(weight), torch.device("cpu"))
+            result["w8a8_int8_inputs"] = median_ms(lambda: integer(x.bfloat16()), reps)
     return result
 
 

@@ -11,12 +11,15 @@ from pydantic_settings import BaseSettings
 
 
 class CpuFields(BaseSettings):
-    compact_logits: Literal["auto", "off"] = Field(
+    compact_logits: Literal["auto", "weight-only", "off"] = Field(
         "auto",
         validation_alias=AliasChoices("NIM_COMPACT_LOGITS"),
-        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection in half "
-        "the bytes: with bf16 activations as int8 with one scale per row (the embedding too), with fp32 "
-        "activations as float16 computed in float32 (fbgemm); off: in the activation dtype.",
+        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection and the "
+        "embedding as int8 with one scale per row and quantizes each of the projection's input rows to "
+        "int8 too, summing the products in integers (oneDNN; where a start-up probe finds that exact "
+        "and batch-invariant: VNNI or AMX), else as weight-only does; weight-only: with bf16 "
+        "activations the same int8 tables, the input in bf16, with fp32 activations the projection as "
+        "float16 computed in float32 (fbgemm); off: in the activation dtype.",
     )
     dense_prompt_rows: Literal["auto", "off"] = Field(
         "auto",

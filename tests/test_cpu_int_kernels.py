@@ -221,7 +221,8 @@ def test_int_kernels_in_bf16_under_fp32_activations(tmp_path: Path) -> None:
 
 
 def _engine_config(precision: str, compact_logits: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(precision=precision, compact_logits=compact_logits)
+    # The weight-only forms: the head's input rows in integers are tests/test_w8a8_logits.py's.
+    return SimpleNamespace(precision=precision, compact_logits=compact_logits, w8a8_logits=False)
 
 
 def test_where_the_compact_logits_apply_and_why() -> None:

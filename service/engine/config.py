@@ -213,6 +213,7 @@ class EngineConfig:
     fp8_scaled_mm: bool = True
     fp8_rows_kernel: bool = True  # and steps of at most 16 rows through the Triton rows kernel
     compact_logits: bool = True  # the CPU, weight-only int: an int8 or float16 head (NIM_COMPACT_LOGITS)
+    w8a8_logits: bool = True  # and its input rows int8 too, where the start-up probe passes
     dense_prompt_rows: bool = True  # the CPU, int4 under bf16: prompt rows dense (NIM_DENSE_PROMPT_ROWS)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits

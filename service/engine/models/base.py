@@ -41,11 +41,13 @@ class BuildOptions:
     fused_kernels: bool = False  # CUDA: norms, SiLU-mul and RoPE as Triton kernels (triton_ops)
     prepack_cpu: bool = False  # the CPU: linear layers held in oneDNN's packed layout once loaded
     # The CPU, weight-only int profiles: the logits projection held in fewer bytes, made from the
-    # float weights once they are loaded (rank_loading._logits_path says where and why). "int8"
-    # (bf16 activations): the projection and the embedding as int8, one scale per row; "fp16"
+    # float weights once they are loaded (rank_loading._logits_path says where and why). "w8a8":
+    # the projection and the embedding as int8, one scale per row, the projection's input rows
+    # quantized to int8 too and multiplied in integers (w8a8.W8A8Linear); "int8" (bf16
+    # activations): the same tables, the input kept in bf16 (aten's weight-only kernel); "fp16"
     # (float32 activations): the projection as float16 in fbgemm's packed layout, computed in
     # float32 (cpu_linear.HalfPackedLinear); "float": as loaded.
-    logits_format: Literal["float", "int8", "fp16"] = "float"
+    logits_format: Literal["float", "w8a8", "int8", "fp16"] = "float"
     # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
     # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
     int_kernels_in_bf16: bool = False

@@ -41,6 +41,7 @@ from service.engine.models.quant import Int8Weight, QuantizedWeight
 from service.engine.models.quant_linear import Int8Embedding, Int8Linear
 from service.engine.models.rope import RotaryEmbedding
 from service.engine.models.tensor_parallel import Collectives
+from service.engine.models.w8a8 import W8A8Linear
 from service.model.config import ModelConfig
 
 
@@ -217,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         """
         target_device = device if device is not None else next(self.parameters()).device
         load_checkpoint(self, self.config, weights, target_device)
-        if self.logits_format == "int8":
+        if self.logits_format in ("int8", "w8a8"):
             self._quantize_logits(target_device)
         elif self.logits_format == "fp16":
             self._half_logits()
@@ -239,16 +240,22 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = HalfPackedLinear(self._float_table() if untied is None else untied.weight)
 
     def _quantize_logits(self, device: torch.device) -> None:
-        """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8"), from the
-        float weights just loaded; tied, one int8 table serves both and the float one is freed.
+        """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8" or
+        "w8a8"), from the float weights just loaded; tied, one int8 table serves both ("w8a8": the
+        head's copy is oneDNN's packed one, the lookups keep the rows) and the float one is freed.
         Per-row scales: each rank's vocab-parallel rows quantize as the whole table's would."""
         dtype, embedding, untied = self.activation_dtype, self.model.embed_tokens, self.lm_head
         assert isinstance(embedding, nn.Embedding), "the logits are quantized once, after loading"
         assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is quantized"
         head = Int8Weight.quantize(embedding.weight if untied is None else untied.weight)
-        self.lm_head = Int8Linear(head, None, dtype, device)
+        if self.logits_format == "w8a8":
+            self.lm_head = W8A8Linear(head, device)
+            shared = None
+        else:
+            self.lm_head = Int8Linear(head, None, dtype, device)
+            shared = self.lm_head.q
         if untied is None:
-            self.model.embed_tokens = Int8Embedding(head, dtype, device, q=self.lm_head.q)
+            self.model.embed_tokens = Int8Embedding(head, dtype, device, q=shared)
         else:
             self.model.embed_tokens = Int8Embedding(Int8Weight.quantize(embedding.weight), dtype, device)
 
@@ -256,14 +263,14 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights one decode step reads (the embedding table only where it is the logits
         layer too): the numerator of achieved weight bandwidth."""
         tensors: dict[int, Tensor] = {}
-        packed_half = 0  # HalfPackedLinear's opaque weights, by their own count
+        packed_half = 0  # HalfPackedLinear's and W8A8Linear's opaque weights, by their own count
         for module in self.modules():
             if isinstance(module, nn.Embedding | Int8Embedding | RotaryEmbedding):
                 continue
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if isinstance(module, PackedLinear):
                 own += [module.packed] + ([] if module.bias is None else [module.bias])
-            if isinstance(module, HalfPackedLinear):
+            if isinstance(module, HalfPackedLinear | W8A8Linear):
                 packed_half += module.nbytes
             tensors.update((id(t), t) for t in own)
         total = packed_half + sum(t.numel() * t.element_size() for t in tensors.values())

@@ -29,6 +29,7 @@ from service.engine.models.loader import (
     quantizes_at_load,
 )
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
+from service.engine.models.w8a8 import OUTLIERS, w8a8_problem
 from service.engine.precision import FLOAT_PRECISIONS, PRECISION_SPECS, Mode, precision_mode
 from service.engine.protocol import PathChoice
 from service.engine.torch.cuda_graphs import batch_buckets
@@ -43,6 +44,7 @@ from service.engine.torch.startup_checks import (
     FP8_ROWS_SETTING,
     FP8_SETTING,
     FUSED_SETTING,
+    WEIGHT_ONLY_LOGITS_SETTING,
     check_fp8_rows_kernel,
     check_fp8_scaled_mm,
     check_fused_kernels,
@@ -315,11 +317,16 @@ def _fp8_rows_path(model: CausalLM, config: EngineConfig) -> str:
 
 def _logits_path(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, hidden_size: int
-) -> tuple[PathChoice, Literal["float", "int8", "fp16"]]:
+) -> tuple[PathChoice, Literal["float", "w8a8", "int8", "fp16"]]:
     """How the logits projection is held (BuildOptions.logits_format), and why. Where the
-    profile's layers are weight-only int on the CPU, in half the bytes of the activation dtype:
-    - bf16 activations: int8 with one scale per row, the embedding too (aten's int8 kernel; the
-      logits were computed in bf16 anyway);
+    profile's layers are weight-only int on the CPU, in half the bytes of the activation dtype
+    or fewer:
+    - bf16 activations, first choice (NIM_COMPACT_LOGITS=auto): int8 with one scale per row, the
+      embedding too, and each input row quantized to int8 but for its few largest values, the
+      products summed in integers (w8a8.W8A8Linear: oneDNN's int8 matmul, which a start-up probe
+      must find exact and batch-invariant on this CPU; closer to the bf16 head than the next);
+    - else with bf16 activations: the same int8 tables, the input kept in bf16 (aten's int8
+      kernel; the logits were computed in bf16 anyway);
     - float32 activations: float16 through fbgemm, computed and returned in float32. Not int8:
       aten's int8 kernel computes in bf16 there (BuildOptions.int_kernels_in_bf16) and would round
       the logits to bf16 (steps of 0.125 at a logit of 20), which flips near-tied greedy tokens.
@@ -338,14 +345,27 @@ def _logits_path(
     if not config.compact_logits:
         off = f"off ({COMPACT_LOGITS_SETTING}): the logits stay in the activation dtype"
         return chosen(False, off), "float"
+    instead = f"{WEIGHT_ONLY_LOGITS_SETTING}: the input rows are not quantized; "
+    if config.w8a8_logits and dtype == torch.float32:
+        instead = "float32 activations: the input rows are not quantized (float16 weights stay closer); "
+    elif config.w8a8_logits:
+        problem = w8a8_problem(hidden_size)
+        if problem is None:
+            return chosen(True, "the logits projection and the embedding as int8, one scale per row; "
+                          f"each input row quantized to int8 but for its {OUTLIERS} largest values (float32) "
+                          "and the products summed in integers (oneDNN, probed exact and batch-invariant; "
+                          f"{WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in bf16)"), "w8a8"  # fmt: skip
+        log.info("%s; the logits projection keeps its input in %s", problem, dtype)
+        instead = f"{problem}, so the input rows are not quantized; "
     if dtype != torch.float32:
-        return chosen(True, "the logits projection and the embedding as int8, one scale per row"), "int8"
+        return chosen(True, f"{instead}the logits projection and the embedding as int8, one scale per row, "
+                      "the input in bf16"), "int8"  # fmt: skip
     problem = half_packing_problem(hidden_size)
     if problem is not None:
         log.warning("%s; the logits projection stays float32 (%s)", problem, COMPACT_LOGITS_SETTING)
-        return chosen(False, f"{problem}; the logits projection stays float32"), "float"
-    return chosen(True, "the logits projection as float16, computed in float32 (fbgemm; the embedding "
-                  "stays float32)"), "fp16"  # fmt: skip
+        return chosen(False, f"{instead}{problem}; the logits projection stays float32"), "float"
+    return chosen(True, f"{instead}the logits projection as float16, computed in float32 (fbgemm; the "
+                  "embedding stays float32)"), "fp16"  # fmt: skip
 
 
 def _fused_path(

@@ -54,6 +54,7 @@ FP8_SETTING = "NIM_FP8_SCALED_MM=off"
 FP8_ROWS_SETTING = "NIM_FP8_SCALED_MM=scaled-mm"  # _scaled_mm at every size: the rows kernel off
 FUSED_SETTING = "NIM_FUSED_KERNELS=0"
 COMPACT_LOGITS_SETTING = "NIM_COMPACT_LOGITS=off"
+WEIGHT_ONLY_LOGITS_SETTING = "NIM_COMPACT_LOGITS=weight-only"  # the logits' input rows not quantized
 
 
 def close_enough(got: torch.Tensor, want: torch.Tensor, bound: float) -> str | None:

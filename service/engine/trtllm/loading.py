@@ -104,7 +104,7 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_UNIFIED_ATTENTION applies to the torch engine; unset it")
     if not (config.fp8_scaled_mm and config.fp8_rows_kernel):
         raise refuse("NIM_FP8_SCALED_MM applies to the torch engine; unset it")
-    if not config.compact_logits:
+    if not (config.compact_logits and config.w8a8_logits):
         raise refuse("NIM_COMPACT_LOGITS applies to the torch engine; unset it")
     if not config.dense_prompt_rows:
         raise refuse("NIM_DENSE_PROMPT_ROWS applies to the torch engine; unset it")

@@ -1,0 +1,147 @@
+"""The CPU logits projection with its input rows quantized too (W8A8): int8 weights with one
+scale per vocabulary row (Int8Weight), each input row quantized to int8 with one scale of its
+own, and the products summed in integers by oneDNN's int8 matmul (VNNI or AMX instructions).
+
+Why: aten's weight-only int8 kernel (Int8Linear) widens every weight to bf16 and multiplies in
+floating point, so its time grows with the rows: the embedded model's 49152 x 576 head took
+0.85 ms at 1 row, 10.9 at 32 and 43.9 at 128 on an AMX host, against 0.66, 0.93 and 3.7 ms here
+(bench/README.md "The logits projection in integers"). llama.cpp's Q8_0 head quantizes its input
+the same way (in blocks of 32 values where this takes one scale a row).
+
+What rounds: each input row to int8 (its largest magnitude to 127, round to nearest), as the
+weights are, but for its OUTLIERS largest values: the head's input carries a few huge channels
+(the embedded model's: 26x the row's RMS, the same two channels in most rows), which would leave
+the rest a handful of int8 steps. As LLM.int8() does, those few are taken out of the row before it
+is quantized and multiplied in float32 by their weight columns (an int8 copy of the table held by
+columns: a few contiguous reads a row). On the embedded model, teacher-forced greedy over the 50
+prompts, float32 activations: per-row scales alone took 13 near-ties the other way (one at a
+margin of 0.81) and moved the chosen token's logprob by 0.038 on average; with 4 outliers apart, 6
+(all within 0.11) and 0.023, where the bf16-input int8 kernel took 10 and 0.025.
+
+The kernel takes the row as uint8, shifted by 128 (oneDNN's signed-input and
+zero-point paths run a reference loop off AMX: 300 ms a call), so it sums (q + 128) * w exactly in
+int32 and scales by the weight row's scale in float32; the shift's share, 128 * sum(w) * scale,
+precomputed per vocabulary row, is subtracted, and the row's own scale applied: float32 logits.
+
+Batch invariance: a row's integer sums are exact and every later step elementwise, so a row's
+logits cannot depend on the rows beside it, provided the kernel accumulates without overflow and
+scales every row the same way at every batch size. `w8a8_problem` checks both at start-up: CPUs
+without VNNI multiply int8 pairs into saturating 16-bit sums (x86's vpmaddubsw), which inputs at
+the extremes expose; and a row's result must be bitwise the same at every probed batch size and
+place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from service.engine.models.cpu_linear import HALF_PROBE_ROWS, HALF_PROBED_ROWS
+from service.engine.models.quant import Int8Weight
+from service.host import cpu_flags
+
+# CPU features with which oneDNN multiplies int8 without saturating 16-bit intermediates.
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+_LARGEST = 127.0
+OUTLIERS = 4  # each input row's largest magnitudes, multiplied in float32 rather than quantized
+SHIFT = 128  # int8 -> uint8: the kernel's fast path takes unsigned inputs with a zero point of 0
+# Output rows of the probe's layer: the kernel's integer sums do not depend on how many there are.
+_PROBE_OUTPUTS = 256
+
+
+def _ops_available() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        and hasattr(torch.ops.onednn, "qlinear_pointwise")
+        and hasattr(torch.ops.onednn, "qlinear_prepack")
+    )
+
+
+def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 [M, K] -> (uint8 [M, K]: the int8 value + SHIFT, float32 scales [M, 1]): each row's
+    largest magnitude to 127."""
+    scale = (rows.abs().amax(-1, keepdim=True) / _LARGEST).clamp_min(torch.finfo(torch.float32).tiny)
+    q = rows.div(scale).round_().clamp_(-_LARGEST, _LARGEST).add_(SHIFT)
+    return q.to(torch.uint8), scale
+
+
+class W8A8Linear(nn.Module):
+    """y = x @ W.T in float32 for W held as int8 rows (no bias: the logits projections it holds
+    have none), x quantized per row at each call. The weight is held in oneDNN's packed layout
+    only (an opaque tensor); a tied embedding keeps its own int8 rows for lookups."""
+
+    scale: Tensor
+    shifted: Tensor
+    zero_points: Tensor
+    columns: Tensor
+
+    def __init__(self, weight: Int8Weight, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(weight.q.to(device), [1, self.in_features])
+        self.register_buffer("scale", weight.scale.to(device, torch.float32))
+        self.register_buffer("columns", weight.q.to(device).t().contiguous())  # [K, N]: the outliers' weights
+        # What the shift adds to each output: SHIFT * sum(w) in the kernel's units (times the scale).
+        sums = weight.q.to(device, torch.float64).sum(1)
+        self.register_buffer("shifted", (SHIFT * sums * self.scale.double()).float())
+        # Symmetric weights: every zero point is 0 (the kernel takes one per output row).
+        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.int64, device=device))
+        self.nbytes = weight.q.numel()  # the packed weight's bytes (an opaque tensor has no storage)
+        self.outliers = min(OUTLIERS, self.in_features - 1)
+        self._linear = torch.ops.onednn.qlinear_pointwise.default  # the overload, resolved once
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.float()
+        where = rows.abs().topk(self.outliers, -1).indices  # [M, OUTLIERS]
+        outliers = rows.gather(1, where)
+        q, row_scale = quantize_rows(rows.scatter(1, where, 0.0))
+        out = self.scaled_sums(q).sub_(self.shifted).mul_(row_scale)
+        # The outliers in float32, one column at a time in a fixed order (elementwise: no row's
+        # result depends on the others').
+        spare = torch.zeros_like(out)
+        for j in range(self.outliers):
+            spare.addcmul_(self.columns.index_select(0, where[:, j]).float(), outliers[:, j : j + 1])
+        return out.addcmul_(spare, self.scale)
+
+    def scaled_sums(self, q: Tensor) -> Tensor:
+        """The kernel itself: uint8 rows [M, K] -> float32(sum of q * w, exact in int32) * scale."""
+        out: Tensor = self._linear(
+            q, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and inputs"
+
+
+def w8a8_problem(in_features: int) -> str | None:
+    """Why a logits projection of `in_features` inputs cannot run as W8A8Linear here, or None."""
+    if not _ops_available():
+        return "this PyTorch build has no oneDNN int8 matmul"
+    if not set(INT8_DOT_FLAGS) & cpu_flags():
+        return f"this CPU has none of {', '.join(INT8_DOT_FLAGS)} (int8 products without saturation)"
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (_PROBE_OUTPUTS, in_features), dtype=torch.int8, generator=generator)
+    q[0], q[1] = 127, -127
+    try:
+        layer = W8A8Linear(Int8Weight(q, torch.ones(_PROBE_OUTPUTS)), torch.device("cpu"))
+        with torch.inference_mode():
+            # Exact integers: inputs at the extremes, whose pair sums overflow 16 bits.
+            extremes = torch.full((4, in_features), 255, dtype=torch.uint8)
+            extremes[1] = 1
+            extremes[2, ::2] = 1
+            extremes[3] = torch.randint(0, 256, (in_features,), dtype=torch.uint8, generator=generator)
+            exact = (extremes.double() @ q.double().T).float()
+            if not torch.equal(layer.scaled_sums(extremes), exact):
+                return "oneDNN's int8 matmul does not sum int8 products exactly on this CPU"
+            # Batch invariance, with real scales.
+            layer.scale.copy_(torch.rand(_PROBE_OUTPUTS, generator=generator) / 64)
+            x = torch.randn(HALF_PROBE_ROWS, in_features, generator=generator)
+            reference = layer(x)
+            for rows in HALF_PROBED_ROWS:
+                for offset in (0, 1, HALF_PROBE_ROWS - rows):
+                    if not torch.equal(layer(x[offset : offset + rows]), reference[offset : offset + rows]):
+                        return f"oneDNN's int8 matmul computes a row differently at batch {rows}"
+    except RuntimeError as error:  # the op exists but this CPU or build cannot run it
+        return f"oneDNN's int8 matmul failed its check ({error})"
+    return None
