@@ -9,7 +9,8 @@ bf16 head, or the weight-only int8 head; never the code under test:
 * a row's logits are bitwise the same whatever the batch size and the row's place in it;
 * the start-up probe passes on this host where the CPU has VNNI or AMX, and names what fails: a
   CPU without either, a kernel whose sums saturate, one that scales a row differently by batch;
-* built: the head is W8A8Linear, the embedding int8 rows (tied: the head's values);
+* built: the head is W8A8Linear, the embedding int8 (tied: read from the head's table of columns,
+  no third copy), lookups as the weight-only build's; a step's bytes as the weight-only head's;
 * the embedded model's greedy tokens equal the bf16 head's but at near-ties, at least as close as
   the weight-only int8 head's;
 * where it applies and why (rank_loading._logits_path): bf16 activations where the probe passes;
@@ -146,13 +147,21 @@ def test_the_built_head_and_embedding(tmp_path: Path, tied: bool) -> None:
     assert isinstance(head, W8A8Linear) and isinstance(embedding, Int8Embedding)
     assert isinstance(weight_only.lm_head, Int8Linear)
     # The same int8 tables as the weight-only head's: only the input rows are treated differently.
-    assert torch.equal(head.columns.T, weight_only.lm_head.q) and torch.equal(
-        embedding.q, weight_only.model.embed_tokens.q
-    )
+    assert torch.equal(head.columns.T, weight_only.lm_head.q)
+    if tied:  # lookups read the head's table by columns: no third copy of the table
+        assert embedding.q is None and embedding.columns is not None
+        assert embedding.columns.data_ptr() == head.columns.data_ptr()
+    else:
+        assert embedding.columns is None and embedding.q is not None
+    ids = torch.tensor([0, 5, 319, 5, 77])
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids), weight_only.model.embed_tokens(ids))
     prompt = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(9))
     got, want = _logits(integer, prompt), _logits(floats, prompt)
     assert float((got - want).abs().max()) <= 2**-5 * float(want.abs().max())
+    # A step reads the packed table once (and a few of its columns): as many bytes as the weight-only head.
     assert integer.weight_nbytes() < floats.weight_nbytes()
+    assert abs(integer.weight_nbytes() - weight_only.weight_nbytes()) <= 320 * (4 + 4 + 8)
 
 
 @needs_int8_dot

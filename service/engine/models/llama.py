@@ -241,22 +241,23 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantize_logits(self, device: torch.device) -> None:
         """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8" or
-        "w8a8"), from the float weights just loaded; tied, one int8 table serves both ("w8a8": the
-        head's copy is oneDNN's packed one, the lookups keep the rows) and the float one is freed.
+        "w8a8"), from the float weights just loaded; tied, the int8 values serve both and the float
+        table is freed ("w8a8": the head's kernel takes a packed copy, and lookups read its table
+        of columns, which the outliers use).
         Per-row scales: each rank's vocab-parallel rows quantize as the whole table's would."""
         dtype, embedding, untied = self.activation_dtype, self.model.embed_tokens, self.lm_head
         assert isinstance(embedding, nn.Embedding), "the logits are quantized once, after loading"
         assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is quantized"
         head = Int8Weight.quantize(embedding.weight if untied is None else untied.weight)
-        if self.logits_format == "w8a8":
+        if untied is None and self.logits_format == "w8a8":
             self.lm_head = W8A8Linear(head, device)
-            shared = None
-        else:
+            self.model.embed_tokens = Int8Embedding(head, dtype, device, columns=self.lm_head.columns)
+        elif untied is None:
             self.lm_head = Int8Linear(head, None, dtype, device)
-            shared = self.lm_head.q
-        if untied is None:
-            self.model.embed_tokens = Int8Embedding(head, dtype, device, q=shared)
+            self.model.embed_tokens = Int8Embedding(head, dtype, device, q=self.lm_head.q)
         else:
+            w8a8 = self.logits_format == "w8a8"
+            self.lm_head = W8A8Linear(head, device) if w8a8 else Int8Linear(head, None, dtype, device)
             self.model.embed_tokens = Int8Embedding(Int8Weight.quantize(embedding.weight), dtype, device)
 
     def weight_nbytes(self) -> int:
@@ -270,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if isinstance(module, PackedLinear):
                 own += [module.packed] + ([] if module.bias is None else [module.bias])
+            if isinstance(module, W8A8Linear):  # a step reads a few of its columns, not all
+                own = [module.scale, module.shifted, module.zero_points]
             if isinstance(module, HalfPackedLinear | W8A8Linear):
                 packed_half += module.nbytes
             tensors.update((id(t), t) for t in own)
