@@ -11,8 +11,8 @@ bf16 head, or the weight-only int8 head; never the code under test:
   CPU without either, a kernel whose sums saturate, one that scales a row differently by batch;
 * built: the head is W8A8Linear, the embedding int8 (tied: read from the head's table of columns,
   no third copy), lookups as the weight-only build's; a step's bytes as the weight-only head's;
-* the embedded model's greedy tokens equal the bf16 head's but at near-ties, at least as close as
-  the weight-only int8 head's;
+* the embedded model's greedy tokens equal the bf16 head's but at near-ties, within one near-tie
+  of the weight-only int8 head's;
 * where it applies and why (rank_loading._logits_path): bf16 activations where the probe passes;
   NIM_COMPACT_LOGITS=weight-only, a failed probe or float32 activations keep the weight-only forms.
 """

@@ -67,8 +67,8 @@ def target_format(precision: str, role: str | None) -> str | None:
     """The format a weight of this role is held in under `precision` (None: float).
 
     The logits layer loads in the activation dtype under every precision (ModelOpt exports
-    exclude lm_head too); on the CPU, weight-only int profiles with 16-bit activations then hold
-    it in fewer bytes once the model is built (BuildOptions.logits_format, NIM_COMPACT_LOGITS).
+    exclude lm_head too); on the CPU, weight-only int profiles then hold it so that a step reads
+    fewer bytes, once the model is built (BuildOptions.logits_format, NIM_COMPACT_LOGITS).
     """
     if role != "layer" or precision in FLOAT_PRECISIONS:
         return None

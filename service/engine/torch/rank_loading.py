@@ -319,8 +319,8 @@ def _logits_path(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, hidden_size: int
 ) -> tuple[PathChoice, Literal["float", "w8a8", "int8", "fp16"]]:
     """How the logits projection is held (BuildOptions.logits_format), and why. Where the
-    profile's layers are weight-only int on the CPU, in half the bytes of the activation dtype
-    or fewer:
+    profile's layers are weight-only int on the CPU, read in half the bytes of the activation
+    dtype or fewer at each step:
     - bf16 activations, first choice (NIM_COMPACT_LOGITS=auto): int8 with one scale per row, the
       embedding too, and each input row quantized to int8 but for its few largest values, the
       products summed in integers (w8a8.W8A8Linear: oneDNN's int8 matmul, which a start-up probe
