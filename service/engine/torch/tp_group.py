@@ -182,9 +182,11 @@ class TPGroup:
 
     def wait_for_death(self, timeout: float) -> str | None:
         """Why a worker is gone, waiting up to `timeout` seconds for the watchdog to see one exit
-        (None: every worker is still running)."""
-        if any(not worker.alive() for worker in self._workers):
-            self._died.wait(timeout)
+        (None: every worker is still running). Called after a collective failed: a killed rank's
+        connections close while its process is still being torn down, before it shows as exited,
+        so the wait does not first ask whether a worker is alive (that raced: the error then lacked
+        the rank)."""
+        self._died.wait(timeout)
         return self.death
 
     def send(self, plan: StepPlan) -> None:
