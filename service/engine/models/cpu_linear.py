@@ -28,6 +28,7 @@ every row alike at every batch size; otherwise the head stays float32.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -162,6 +163,19 @@ class HalfPackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 packed"
 
 
+def batch_dependence(
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, probed: Iterable[int]
+) -> int | None:
+    """The first of the `probed` batch sizes at which `layer` computes a row of `x` differently
+    from one call over all of `x` (each size tried at offsets 0, 1 and the end), or None."""
+    reference = layer(x)
+    for rows in probed:
+        for offset in (0, 1, x.shape[0] - rows):
+            if not torch.equal(layer(x[offset : offset + rows]), reference[offset : offset + rows]):
+                return rows
+    return None
+
+
 def half_packing_problem(in_features: int) -> str | None:
     """Why a float32 logits projection of `in_features` inputs cannot be held as HalfPackedLinear
     here, or None: the build must have fbgemm's float16 kernel, and a row's result must be bitwise
@@ -180,11 +194,9 @@ def half_packing_problem(in_features: int) -> str | None:
     try:
         layer = HalfPackedLinear(weight)
         with torch.inference_mode():
-            reference = layer(x)
-            for rows in HALF_PROBED_ROWS:
-                for offset in (0, 1, HALF_PROBE_ROWS - rows):
-                    if not torch.equal(layer(x[offset : offset + rows]), reference[offset : offset + rows]):
-                        return f"fbgemm's float16 matmul computes a row differently at batch {rows}"
+            rows = batch_dependence(layer, x, HALF_PROBED_ROWS)
+        if rows is not None:
+            return f"fbgemm's float16 matmul computes a row differently at batch {rows}"
     except RuntimeError as error:  # the op exists but this CPU or build cannot run it
         return f"fbgemm's float16 matmul failed its check ({error})"
     return None
