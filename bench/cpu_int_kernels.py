@@ -10,9 +10,10 @@ and the float32 layers the engine builds: oneDNN's packed layer (PackedLinear, s
 where its probe says so) and fbgemm's float16 one (HalfPackedLinear, the compact logits head under
 float32 activations); and the int8 head with its input rows quantized too (W8A8Linear, the compact
 logits head under bf16 activations where its probe passes; absent where it does not), with its
-integer matmul alone; the head table's int8 lookups by rows and by columns (2,048 ids: a prompt
-chunk); and oneDNN's int8 matmul with signed inputs at one row (3 calls: the path W8A8Linear avoids,
-a reference loop off AMX, e.g. under ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI).
+integer matmul alone (over twice the rows: each input row and its outliers' row); the head
+table's int8 lookups (2,048 ids: a prompt chunk); and oneDNN's int8 matmul with signed inputs at
+one row (3 calls: the path W8A8Linear avoids, a reference loop off AMX, e.g. under
+ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI).
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -84,20 +85,16 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
         if w8a8_problem(k) is None:
             integer = W8A8Linear(Int8Weight.quantize(weight), torch.device("cpu"))
             result["w8a8_int8_inputs"] = median_ms(lambda: integer(x.bfloat16()), reps)
-            unsigned = torch.randint(1, 256, (rows, k), dtype=torch.uint8)
+            unsigned = torch.randint(1, 256, (2 * rows, k), dtype=torch.uint8)
             result["w8a8_kernel_alone"] = median_ms(lambda: integer.scaled_sums(unsigned), reps)
     return result
 
 
-def lookups(n: int, k: int, ids: int, reps: int) -> dict[str, float]:
-    """An int8 embedding lookup of `ids` tokens: by rows (Int8Linear's table) against by columns
-    (W8A8Linear's, which tied embeddings read)."""
+def lookup(n: int, k: int, ids: int, reps: int) -> float:
+    """An int8 embedding lookup of `ids` tokens (Int8Embedding's rows, widened to float)."""
     table = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    columns, picked = table.t().contiguous(), torch.randint(0, n, (ids,))
-    return {
-        "by_rows": median_ms(lambda: table.index_select(0, picked).float(), reps),
-        "by_columns": median_ms(lambda: columns.index_select(1, picked).t().float(), reps),
-    }
+    picked = torch.randint(0, n, (ids,))
+    return median_ms(lambda: table.index_select(0, picked).float(), reps)
 
 
 def signed_inputs(n: int, k: int, rows: int, reps: int) -> float:
@@ -130,7 +127,7 @@ def main() -> None:
     n, k = SHAPES["head"]
     report = {
         "command": " ".join(["python", *sys.argv]),
-        "head_lookup_ms": {f"{ids}_ids": lookups(n, k, ids, args.reps) for ids in (1, 32, 2048)},
+        "head_lookup_ms": {f"{ids}_ids": lookup(n, k, ids, args.reps) for ids in (1, 32, 2048)},
         "head_signed_inputs_1_row_ms": signed_inputs(n, k, 1, 3),
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -2,7 +2,7 @@
 "w8a8", NIM_COMPACT_LOGITS=auto under bf16 activations).
 
 References are the formula, written here in float64 (int8 rows with one scale each; each input
-row's OUTLIERS largest magnitudes kept in float, the rest quantized with one scale), the model's
+row's OUTLIERS largest magnitudes quantized apart with a scale of their own, the rest with one), the model's
 bf16 head, or the weight-only int8 head; never the code under test:
 
 * the layer equals the formula to float32 rounding, at any number of rows, a NaN row included;
@@ -10,8 +10,8 @@ bf16 head, or the weight-only int8 head; never the code under test:
 * the start-up probe names what fails: a CPU without VNNI or AMX, a kernel whose sums saturate,
   one that scales a row differently by batch (where the real kernel passes; else skipped, the
   reason stated: e.g. ONEDNN_MAX_CPU_ISA=AVX2, whose sums saturate);
-* built: the head is W8A8Linear, the embedding int8 (tied: read from the head's table of columns,
-  no third copy), lookups as the weight-only build's; a step's bytes as the weight-only head's;
+* built: the head is W8A8Linear over the weight-only head's int8 table, the embedding int8,
+  lookups as the weight-only build's; a step's bytes as the weight-only head's;
 * the embedded model's greedy tokens equal the bf16 head's but at near-ties, within one near-tie
   of the weight-only int8 head's;
 * where it applies and why (rank_loading._logits_path): bf16 activations where the probe passes;
@@ -54,15 +54,18 @@ needs_int8_dot = pytest.mark.skipif(
 
 def _formula(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """Logits of rows x under the int8 table `weight`, written out in float64."""
+
+    def quantized(values: torch.Tensor) -> torch.Tensor:
+        step = max(float(values.abs().max()) / 127, torch.finfo(torch.float32).tiny)
+        return (values / step).round().clamp(-127, 127) * step
+
     rows, q, scale = x.double(), weight.q.double(), weight.scale.double()
     out = torch.empty(rows.shape[0], q.shape[0], dtype=torch.float64)
     for i, row in enumerate(rows):
         kept = row.abs().topk(OUTLIERS).indices
-        rest = row.clone()
-        rest[kept] = 0.0
-        step = max(float(rest.abs().max()) / 127, torch.finfo(torch.float32).tiny)
-        quantized = (rest / step).round().clamp(-127, 127) * step
-        out[i] = (quantized @ q.T + row[kept] @ q[:, kept].T) * scale
+        rest, apart = row.clone(), torch.zeros_like(row)
+        rest[kept], apart[kept] = 0.0, row[kept]
+        out[i] = (quantized(rest) + quantized(apart)) @ q.T * scale
     return out
 
 
@@ -131,9 +134,9 @@ def test_the_probe_names_a_kernel_that_saturates_or_depends_on_the_batch(
     monkeypatch.setattr(W8A8Linear, "scaled_sums", saturating)
     assert w8a8_problem(576) == "oneDNN's int8 matmul does not sum int8 products exactly on this CPU"
 
-    def by_batch(self: W8A8Linear, q: torch.Tensor) -> torch.Tensor:  # a kernel that scales 9 rows apart
+    def by_batch(self: W8A8Linear, q: torch.Tensor) -> torch.Tensor:  # a kernel that scales 18 rows apart
         out = plain(self, q)
-        return out * (1 + 2**-20) if q.shape[0] == 9 else out
+        return out * (1 + 2**-20) if q.shape[0] == 18 else out  # 9 inputs, each with its outliers' row
 
     monkeypatch.setattr(W8A8Linear, "scaled_sums", by_batch)
     assert w8a8_problem(576) == "oneDNN's int8 matmul computes a row differently at batch 9"
@@ -147,20 +150,23 @@ def test_the_built_head_and_embedding(tmp_path: Path, tied: bool) -> None:
     head, embedding = integer.lm_head, integer.model.embed_tokens
     assert isinstance(head, W8A8Linear) and isinstance(embedding, Int8Embedding)
     assert isinstance(weight_only.lm_head, Int8Linear)
-    # The same int8 tables as the weight-only head's: only the input rows are treated differently.
-    assert torch.equal(head.columns.T, weight_only.lm_head.q)
-    if tied:  # lookups read the head's table by columns: no third copy of the table
-        assert embedding.q is None and embedding.columns is not None
-        assert embedding.columns.data_ptr() == head.columns.data_ptr()
-    else:
-        assert embedding.columns is None and embedding.q is not None
+    # The same int8 table as the weight-only head's: only the input rows are treated differently.
+    only = weight_only.lm_head
+    assert torch.equal(head.scale.to(only.scale.dtype), only.scale)  # held in that kernel's dtype
+    table = Int8Weight(only.q, head.scale)
+    x = _head_inputs(5, 64)
+    with torch.inference_mode():
+        got, want = head(x).double(), _formula(x, table)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    if tied:  # the int8 rows serve the lookups: the float table is not kept
+        assert not any(isinstance(module, torch.nn.Embedding) for module in integer.modules())
     ids = torch.tensor([0, 5, 319, 5, 77])
     with torch.inference_mode():
         assert torch.equal(embedding(ids), weight_only.model.embed_tokens(ids))
     prompt = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(9))
     got, want = _logits(integer, prompt), _logits(floats, prompt)
     assert float((got - want).abs().max()) <= 2**-5 * float(want.abs().max())
-    # A step reads the packed table once (and a few of its columns): as many bytes as the weight-only head.
+    # A step reads the packed table once: as many bytes as the weight-only head.
     assert integer.weight_nbytes() < floats.weight_nbytes()
     assert abs(integer.weight_nbytes() - weight_only.weight_nbytes()) <= 320 * (4 + 4 + 8)
 

@@ -242,8 +242,7 @@ class LlamaForCausalLM(nn.Module):
     def _quantize_logits(self, device: torch.device) -> None:
         """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8" or
         "w8a8"), from the float weights just loaded; tied, the int8 values serve both and the float
-        table is freed ("w8a8": the head's kernel takes a packed copy, and lookups read its table
-        of columns, which the outliers use).
+        table is freed ("w8a8": the head's kernel takes a packed copy, lookups keep the rows).
         Per-row scales: each rank's vocab-parallel rows quantize as the whole table's would."""
         dtype, embedding, untied = self.activation_dtype, self.model.embed_tokens, self.lm_head
         assert isinstance(embedding, nn.Embedding), "the logits are quantized once, after loading"
@@ -251,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         head = Int8Weight.quantize(embedding.weight if untied is None else untied.weight)
         if untied is None and self.logits_format == "w8a8":
             self.lm_head = W8A8Linear(head, device)
-            self.model.embed_tokens = Int8Embedding(head, dtype, device, columns=self.lm_head.columns)
+            self.model.embed_tokens = Int8Embedding(head, dtype, device)
         elif untied is None:
             self.lm_head = Int8Linear(head, None, dtype, device)
             self.model.embed_tokens = Int8Embedding(head, dtype, device, q=self.lm_head.q)
@@ -271,8 +270,6 @@ class LlamaForCausalLM(nn.Module):
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if isinstance(module, PackedLinear):
                 own += [module.packed] + ([] if module.bias is None else [module.bias])
-            if isinstance(module, W8A8Linear):  # a step reads a few of its columns, not all
-                own = [module.scale, module.shifted, module.zero_points]
             if isinstance(module, HalfPackedLinear | W8A8Linear):
                 packed_half += module.nbytes
             tensors.update((id(t), t) for t in own)

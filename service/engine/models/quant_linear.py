@@ -285,37 +285,22 @@ _LINEARS: dict[type, type[QuantLinear]] = {
 class Int8Embedding(nn.Module):
     """An embedding table held as int8 with one float32 scale per row (Int8Weight's format): a
     lookup dequantizes only the rows it reads, into the activation dtype. With tied embeddings it
-    shares its int8 values with the logits layer, so the float table is not kept: Int8Linear's
-    rows (`q`), or W8A8Linear's table by columns (`columns`, [dim, vocab]: a lookup gathers one
-    value from each, 5.9 ms for 2,048 tokens of the embedded model against 0.17 by rows, instead of
-    a third copy of the table)."""
+    shares its int8 rows with an Int8Linear logits layer (`q`), so the float table is not kept."""
 
-    q: Tensor | None
-    columns: Tensor | None
+    q: Tensor
     scale: Tensor
 
     def __init__(
-        self,
-        weight: Int8Weight,
-        dtype: torch.dtype,
-        device: torch.device,
-        q: Tensor | None = None,
-        columns: Tensor | None = None,
+        self, weight: Int8Weight, dtype: torch.dtype, device: torch.device, q: Tensor | None = None
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
-        self.register_buffer("q", weight.q.to(device) if q is None and columns is None else q)
-        self.register_buffer("columns", columns)
+        self.register_buffer("q", weight.q.to(device) if q is None else q)
         self.register_buffer("scale", weight.scale.to(device))
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        if self.columns is not None:
-            values = self.columns.index_select(1, input_ids).t()
-        else:
-            assert self.q is not None
-            values = self.q.index_select(0, input_ids)
-        rows = values.float() * self.scale.index_select(0, input_ids)[:, None]
+        rows = self.q.index_select(0, input_ids).float() * self.scale.index_select(0, input_ids)[:, None]
         return rows.to(self.dtype)
 
     def extra_repr(self) -> str:

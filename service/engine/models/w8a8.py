@@ -13,16 +13,22 @@ What rounds: each input row to int8 (its largest magnitude to 127, round to near
 weights are, but for its OUTLIERS largest values: the head's input carries a few huge channels
 (the embedded model's: 26x the row's RMS, the same two channels in most rows), which would leave
 the rest a handful of int8 steps. As LLM.int8() does, those few are taken out of the row before it
-is quantized and multiplied in float32 by their weight columns (an int8 copy of the table held by
-columns: a few contiguous reads a row). On the embedded model, teacher-forced greedy over the 50
-prompts, float32 activations: per-row scales alone took 13 near-ties the other way (one at a
-margin of 0.81) and moved the chosen token's logprob by 0.038 on average; with 4 outliers apart, 6
-(all within 0.11) and 0.023, where the bf16-input int8 kernel took 10 and 0.025.
+is quantized; here they become a second row of their own (zero elsewhere), quantized with its own
+scale (its largest value to 127, the others to steps of 1/127 of it) and run through the same
+kernel call as the rest; the two rows' logits are then summed. On the embedded model,
+teacher-forced greedy over the 50 prompts against the bf16 head, bf16 activations: 8 near-ties
+taken the other way (all within 0.125), the chosen token's logprob moved by 0.031 on average, as
+with the outliers multiplied in float32 (8, 0.030) and closer than the bf16-input int8 kernel (9,
+up to 0.375); per-row scales without the outliers apart took 13 (one at a margin of 0.81) under
+float32 activations. One call over twice the rows costs less than multiplying the outliers by
+their weight columns in float32 did (a gather and a multiply-add per row and outlier over the
+vocabulary: 4.6 against 2.2 ms at 32 rows), and no copy of the table by columns is held.
 
-The kernel takes the row as uint8, shifted by 128 (oneDNN's signed-input and
-zero-point paths run a reference loop off AMX: 350 ms a call), so it sums (q + 128) * w exactly in
-int32 and scales by the weight row's scale in float32; the shift's share, 128 * sum(w) * scale,
-precomputed per vocabulary row, is subtracted, and the row's own scale applied: float32 logits.
+The kernel takes the rows as uint8, shifted by 128 (oneDNN's signed-input and zero-point paths
+run a reference loop off AMX: 350 ms a call), so it sums (q + 128) * w exactly in int32 and
+scales by the weight row's scale in float32; the shift's share, 128 * sum(w) * scale, precomputed
+per vocabulary row, is subtracted once for both rows of an input, each row's own scale applied:
+float32 logits.
 
 Batch invariance: a row's integer sums are exact and every later step elementwise, so a row's
 logits cannot depend on the rows beside it, provided the kernel accumulates without overflow and
@@ -44,7 +50,7 @@ from service.host import cpu_flags
 # CPU features with which oneDNN multiplies int8 without saturating 16-bit intermediates.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 _LARGEST = 127.0
-OUTLIERS = 4  # each input row's largest magnitudes, multiplied in float32 rather than quantized
+OUTLIERS = 4  # each input row's largest magnitudes, quantized apart from the rest (a row of their own)
 SHIFT = 128  # int8 -> uint8: the kernel's fast path takes unsigned inputs with a zero point of 0
 # Output rows of the exactness probe's layer: the kernel's integer sums do not depend on how many.
 _PROBE_OUTPUTS = 256
@@ -74,20 +80,19 @@ def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 class W8A8Linear(nn.Module):
     """y = x @ W.T in float32 for W held as int8 rows (no bias: the logits projections it holds
-    have none), x quantized per row at each call. The weight is held in oneDNN's packed layout
-    only (an opaque tensor); a tied embedding keeps its own int8 rows for lookups."""
+    have none), x quantized per row at each call, its outliers in a row of their own. The weight
+    is held in oneDNN's packed layout only (an opaque tensor); a tied embedding keeps its own int8
+    rows for lookups."""
 
     scale: Tensor
     shifted: Tensor
     zero_points: Tensor
-    columns: Tensor
 
     def __init__(self, weight: Int8Weight, device: torch.device) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.onednn.qlinear_prepack(weight.q.to(device), [1, self.in_features])
         self.register_buffer("scale", weight.scale.to(device, torch.float32))
-        self.register_buffer("columns", weight.q.to(device).t().contiguous())  # [K, N]: the outliers' weights
         # What the shift adds to each output: SHIFT * sum(w) in the kernel's units (times the scale).
         sums = weight.q.to(device, torch.float64).sum(1)
         self.register_buffer("shifted", (SHIFT * sums * self.scale.double()).float())
@@ -99,17 +104,16 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.float()
+        count = rows.shape[0]
         where = rows.abs().topk(self.outliers, -1).indices  # [M, OUTLIERS]
-        outliers = rows.gather(1, where)
-        q, row_scale = quantize_rows(rows.scatter(1, where, 0.0))
-        out = self.scaled_sums(q).sub_(self.shifted).mul_(row_scale)
-        # The outliers in float32, one column at a time in a fixed order (elementwise: no row's
-        # result depends on the others'), then scaled once (faster than scaling each column: 20
-        # against 36 ms at 128 rows of the embedded model's head, for one more [M, N] buffer).
-        spare = torch.zeros_like(out)
-        for j in range(self.outliers):
-            spare.addcmul_(self.columns.index_select(0, where[:, j]).float(), outliers[:, j : j + 1])
-        return out.addcmul_(spare, self.scale)
+        apart = torch.zeros_like(rows).scatter_(1, where, rows.gather(1, where))
+        # One call: the rows without their outliers, then the outliers' rows.
+        q, row_scale = quantize_rows(torch.cat([rows.scatter(1, where, 0.0), apart]))
+        sums = self.scaled_sums(q)
+        rest, outlying = row_scale[:count], row_scale[count:]
+        # Each output row from its own two rows only (elementwise: no row depends on another's).
+        out = sums[:count].mul_(rest).addcmul_(sums[count:], outlying)
+        return out.addcmul_(self.shifted, rest + outlying, value=-1.0)
 
     def scaled_sums(self, q: Tensor) -> Tensor:
         """The kernel itself: uint8 rows [M, K] -> float32(sum of q * w, exact in int32) * scale."""
