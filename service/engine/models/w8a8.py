@@ -52,6 +52,10 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 _LARGEST = 127.0
 OUTLIERS = 4  # each input row's largest magnitudes, quantized apart from the rest (a row of their own)
 SHIFT = 128  # int8 -> uint8: the kernel's fast path takes unsigned inputs with a zero point of 0
+# Input rows per kernel call (each with its outliers' row): oneDNN's int8 matmul over this
+# vocabulary slows sharply past ~128 rows a call (the embedded head: 2 ms at 128, 18 at 256), so
+# larger batches go in chunks; a row's integer sums do not depend on the call it is in.
+CHUNK_ROWS = 32
 # Output rows of the exactness probe's layer: the kernel's integer sums do not depend on how many.
 _PROBE_OUTPUTS = 256
 # The batch-invariance probe: enough outputs that the elementwise steps run on several threads as
@@ -104,16 +108,23 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.float()
+        out = torch.empty(rows.shape[0], self.out_features, device=rows.device)
+        for start in range(0, rows.shape[0], CHUNK_ROWS):
+            self._logits_into(rows[start : start + CHUNK_ROWS], out[start : start + CHUNK_ROWS])
+        return out
+
+    def _logits_into(self, rows: Tensor, out: Tensor) -> None:
+        """The logits of float32 `rows` [M, K] into `out` [M, N], in one kernel call."""
         count = rows.shape[0]
         where = rows.abs().topk(self.outliers, -1).indices  # [M, OUTLIERS]
         apart = torch.zeros_like(rows).scatter_(1, where, rows.gather(1, where))
-        # One call: the rows without their outliers, then the outliers' rows.
+        # The rows without their outliers, then the outliers' rows.
         q, row_scale = quantize_rows(torch.cat([rows.scatter(1, where, 0.0), apart]))
         sums = self.scaled_sums(q)
         rest, outlying = row_scale[:count], row_scale[count:]
         # Each output row from its own two rows only (elementwise: no row depends on another's).
-        out = sums[:count].mul_(rest).addcmul_(sums[count:], outlying)
-        return out.addcmul_(self.shifted, rest + outlying, value=-1.0)
+        torch.mul(sums[:count], rest, out=out).addcmul_(sums[count:], outlying)
+        out.addcmul_(self.shifted, rest + outlying, value=-1.0)
 
     def scaled_sums(self, q: Tensor) -> Tensor:
         """The kernel itself: uint8 rows [M, K] -> float32(sum of q * w, exact in int32) * scale."""
