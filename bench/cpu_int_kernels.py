@@ -10,7 +10,8 @@ and the float32 layers the engine builds: oneDNN's packed layer (PackedLinear, s
 where its probe says so) and fbgemm's float16 one (HalfPackedLinear, the compact logits head under
 float32 activations); and the int8 head with its input rows quantized too (W8A8Linear, the compact
 logits head under bf16 activations where its probe passes; absent where it does not), with its
-integer matmul alone (over twice the rows: each input row and its outliers' row); the head
+integer matmul alone (its calls as the layer makes them: chunks of inputs, each input with its
+outliers' row); the head
 table's int8 lookups (2,048 ids: a prompt chunk); and oneDNN's int8 matmul with signed inputs at
 one row (3 calls: the path W8A8Linear avoids, a reference loop off AMX, e.g. under
 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI).
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear
 from service.engine.models.quant import Int8Weight
-from service.engine.models.w8a8 import W8A8Linear, w8a8_problem
+from service.engine.models.w8a8 import CHUNK_ROWS, W8A8Linear, w8a8_problem
 
 INT8_MM = torch.ops.aten._weight_int8pack_mm
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -85,8 +86,12 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
         if w8a8_problem(k) is None:
             integer = W8A8Linear(Int8Weight.quantize(weight), torch.device("cpu"))
             result["w8a8_int8_inputs"] = median_ms(lambda: integer(x.bfloat16()), reps)
-            unsigned = torch.randint(1, 256, (2 * rows, k), dtype=torch.uint8)
-            result["w8a8_kernel_alone"] = median_ms(lambda: integer.scaled_sums(unsigned), reps)
+            # As the layer calls it: each chunk of inputs with its outliers' rows.
+            calls = [
+                torch.randint(1, 256, (2 * min(CHUNK_ROWS, rows - start), k), dtype=torch.uint8)
+                for start in range(0, rows, CHUNK_ROWS)
+            ]
+            result["w8a8_kernel_alone"] = median_ms(lambda: [integer.scaled_sums(q) for q in calls], reps)
     return result
 
 

@@ -4,10 +4,9 @@ own, and the products summed in integers by oneDNN's int8 matmul (VNNI or AMX in
 
 Why: aten's weight-only int8 kernel (Int8Linear) widens every weight to bf16 and multiplies in
 floating point, so its time grows with the rows: the embedded model's 49152 x 576 head took
-0.96 / 3.32 / 13.0 / 50.8 ms at 1 / 8 / 32 / 128 rows on an AMX host, against 1.05 / 1.94 / 5.40 /
-18.9 here, outlier columns included (the integer matmul alone 0.74 / 0.83 / 0.91 / 1.99;
-bench/README.md "The logits projection in integers"). llama.cpp's Q8_0 head quantizes its input
-too (in blocks of 32 values where this takes one scale a row).
+about 1.0 / 3.9 / 13.8 / 53 ms at 1 / 8 / 32 / 128 rows on an AMX host, against 1.1 / 1.5 / 3.0 /
+12 here (bench/README.md "Outliers as rows of their own"). llama.cpp's Q8_0 head quantizes its
+input too (in blocks of 32 values where this takes one scale a row).
 
 What rounds: each input row to int8 (its largest magnitude to 127, round to nearest), as the
 weights are, but for its OUTLIERS largest values: the head's input carries a few huge channels
@@ -22,13 +21,13 @@ with the outliers multiplied in float32 (8, 0.030) and closer than the bf16-inpu
 up to 0.375); per-row scales without the outliers apart took 13 (one at a margin of 0.81) under
 float32 activations. One call over twice the rows costs less than multiplying the outliers by
 their weight columns in float32 did (a gather and a multiply-add per row and outlier over the
-vocabulary: 4.6 against 2.2 ms at 32 rows), and no copy of the table by columns is held.
+vocabulary: about half the head's time at 32 rows), and no copy of the table by columns is held.
 
 The kernel takes the rows as uint8, shifted by 128 (oneDNN's signed-input and zero-point paths
 run a reference loop off AMX: 350 ms a call), so it sums (q + 128) * w exactly in int32 and
 scales by the weight row's scale in float32; the shift's share, 128 * sum(w) * scale, precomputed
-per vocabulary row, is subtracted once for both rows of an input, each row's own scale applied:
-float32 logits.
+per vocabulary row, is subtracted from each row's sums before its own scale applies: float32
+logits.
 
 Batch invariance: a row's integer sums are exact and every later step elementwise, so a row's
 logits cannot depend on the rows beside it, provided the kernel accumulates without overflow and
@@ -58,9 +57,11 @@ SHIFT = 128  # int8 -> uint8: the kernel's fast path takes unsigned inputs with 
 CHUNK_ROWS = 32
 # Output rows of the exactness probe's layer: the kernel's integer sums do not depend on how many.
 _PROBE_OUTPUTS = 256
-# The batch-invariance probe: enough outputs that the elementwise steps run on several threads as
-# they do at a vocabulary's size, and batch sizes (with places) compared against one call over
-# _INVARIANCE_ROWS rows, past the decode batches and verification steps a server runs.
+# The batch-invariance probe: enough outputs that the elementwise steps of most chunks run on
+# several threads, as every chunk's do at a vocabulary's size (they are plain IEEE operations,
+# threaded or not), and batch sizes (with places) compared against one forward over
+# _INVARIANCE_ROWS rows, across chunk boundaries, past the decode batches and verification steps
+# a server runs.
 _INVARIANCE_OUTPUTS = 4096
 _INVARIANCE_ROWS = 300
 _INVARIANCE_PROBED = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 31, 33, 64, 65, 128, 129, 256, 257)
@@ -108,7 +109,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.float()
-        out = torch.empty(rows.shape[0], self.out_features, device=rows.device)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
         for start in range(0, rows.shape[0], CHUNK_ROWS):
             self._logits_into(rows[start : start + CHUNK_ROWS], out[start : start + CHUNK_ROWS])
         return out
@@ -120,11 +121,9 @@ class W8A8Linear(nn.Module):
         apart = torch.zeros_like(rows).scatter_(1, where, rows.gather(1, where))
         # The rows without their outliers, then the outliers' rows.
         q, row_scale = quantize_rows(torch.cat([rows.scatter(1, where, 0.0), apart]))
-        sums = self.scaled_sums(q)
-        rest, outlying = row_scale[:count], row_scale[count:]
-        # Each output row from its own two rows only (elementwise: no row depends on another's).
-        torch.mul(sums[:count], rest, out=out).addcmul_(sums[count:], outlying)
-        out.addcmul_(self.shifted, rest + outlying, value=-1.0)
+        sums = self.scaled_sums(q).sub_(self.shifted)  # each row's own sum of q * w, scaled by w's
+        # Each output row from its own two rows only: plain elementwise steps, no row depends on another.
+        torch.mul(sums[:count], row_scale[:count], out=out).add_(sums[count:].mul_(row_scale[count:]))
 
     def scaled_sums(self, q: Tensor) -> Tensor:
         """The kernel itself: uint8 rows [M, K] -> float32(sum of q * w, exact in int32) * scale."""

@@ -352,8 +352,9 @@ def _logits_path(
         problem = w8a8_problem(hidden_size)
         if problem is None:
             return chosen(True, "the logits projection and the embedding as int8, one scale per row; "
-                          f"each input row quantized to int8 but for its {OUTLIERS} largest values (float32) "
-                          "and the products summed in integers (oneDNN, probed exact and batch-invariant; "
+                          f"each input row quantized to int8, its {OUTLIERS} largest values apart (a row "
+                          "of their own), and the products summed in integers (oneDNN, probed exact and "
+                          "batch-invariant; "
                           f"{WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in bf16)"), "w8a8"  # fmt: skip
         log.info("%s; the logits projection keeps its input in %s", problem, dtype)
         instead = f"{problem}, so the input rows are not quantized; "
