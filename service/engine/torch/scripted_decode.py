@@ -15,8 +15,10 @@ routed layers included (Qwen3-MoE, Mixtral: `_routed_mlp`), and scripted_gemma.p
 Invariant: the scripted stack calls the same ops, in the same order, on the same tensors as the
 eager path (LlamaDecoderLayer, SparseMoeBlock or Gemma3DecoderLayer and their linears, KVPool.write /
 gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
-ones (one exception, bitwise too: a one-token routed MLP runs its chosen experts without the
-grouped path's sort, `_routed_mlp`): batch invariance and the numerics against transformers hold unchanged
+ones (two exceptions, bitwise too: a one-token routed MLP runs its chosen experts without the
+grouped path's sort, `_routed_mlp`; Qwen3's q and k norms and RoPE run as one call each over the
+adjacent q and k heads, as the eager layer rotates them without norms, where it calls each twice;
+both are row-wise): batch invariance and the numerics against transformers hold unchanged
 (tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
 Steps with prefill chunks run eagerly. A step whose other sequences verify drafts (speculative
 decoding) is a decode-only step too: the model runner lays each verified token out as a decode row
@@ -33,6 +35,7 @@ import functools
 import itertools
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -141,7 +144,7 @@ def _decode_stack(
     run_count: int,
     block_size: int,
     norms: list[Tensor],  # per layer: input, post-attention
-    qk_norms: list[Tensor],  # per layer: q, k (empty: the model has none)
+    qk_norms: list[Tensor],  # per layer: q's weight per q head, then k's per k head (empty: none)
     firsts: list[int],  # per layer: the index of its first linear in the lists below
     routed: list[bool],  # per layer: whether its MLP is routed
     kinds: list[int],  # per layer: qkv, o, then gate_up, down (dense) or the router and each
@@ -176,19 +179,12 @@ def _decode_stack(
         i = firsts[layer]
         qkv = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         v = qkv[:, q_size + kv_size :].view(batch, num_kv_heads, head_dim)
+        # q and k are adjacent in qkv: normed (Qwen3) and rotated in one call each, head by head.
+        qk = qkv[:, : q_size + kv_size].view(batch, num_heads + num_kv_heads, head_dim)
         if len(qk_norms) > 0:
-            q = qk_norms[2 * layer] * torch.rms_norm(
-                qkv[:, :q_size].view(batch, num_heads, head_dim), [head_dim], None, eps
-            )
-            k = qk_norms[2 * layer + 1] * torch.rms_norm(
-                qkv[:, q_size : q_size + kv_size].view(batch, num_kv_heads, head_dim), [head_dim], None, eps
-            )
-            q = rotate_(q, cos, sin)
-            k = rotate_(k, cos, sin)
-        else:
-            qk = rotate_(qkv[:, : q_size + kv_size].view(batch, num_heads + num_kv_heads, head_dim), cos, sin)
-            split = qk.split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
-            q, k = split[0], split[1]
+            qk = qk_norms[layer] * torch.rms_norm(qk, [head_dim], None, eps)
+        split = rotate_(qk, cos, sin).split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
+        q, k = split[0], split[1]
         out = attend(q, k, v, pools[layer], slots, mask, block_ids, run_first, run_count, block_size, scale)
         i += 1
         attended = linear(out, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
@@ -246,6 +242,13 @@ class ScriptedDecoder:
             [a.group for a in flat],
             [a.out_features for a in flat],
             [a.pad_rows for a in flat],
+        )
+        # Llama stacks: each layer's q and k norm weights, one row per head (the stack norms the
+        # adjacent q and k heads in one call).
+        self._qk_norms = (
+            _qk_norm_rows(stack.qk_norms, config.num_heads, config.num_kv_heads)
+            if isinstance(stack, LlamaStack)
+            else list(stack.qk_norms)
         )
         scale = stack.attention_scale if isinstance(stack, GemmaStack) else None
         self._dims = (
@@ -339,7 +342,7 @@ class ScriptedDecoder:
             cos, sin = stack.rope_tables(positions, hidden.dtype)
             llama: Tensor = _scripted_stack()(
                 hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, list(stack.norms),
-                list(stack.qk_norms), *self._routing, *self._linears, stack.final_norm, *self._dims,
+                self._qk_norms, *self._routing, *self._linears, stack.final_norm, *self._dims,
                 *self._experts,
             )  # fmt: skip
             return llama
@@ -352,9 +355,17 @@ class ScriptedDecoder:
         windowed = [window is not None for window in stack.windows]
         gemma: Tensor = scripted_gemma_stack()(
             hidden, cos, sin, local_cos, local_sin, meta.slot_mapping, mask, window_mask, windowed,
-            *cache, list(stack.norms), list(stack.qk_norms), *self._linears, stack.final_norm, *self._dims,
+            *cache, list(stack.norms), self._qk_norms, *self._linears, stack.final_norm, *self._dims,
         )  # fmt: skip
         return gemma
+
+
+def _qk_norm_rows(norms: Sequence[Tensor], num_heads: int, num_kv_heads: int) -> list[Tensor]:
+    """Per layer, [q's weight, k's weight] (LlamaStack.qk_norms) as one [Hq + Hkv, D] table: the
+    weight of each head of the adjacent q and k heads in qkv. Elementwise, as the eager layer's two
+    norms: the same values, bitwise."""
+    pairs = zip(norms[0::2], norms[1::2], strict=True)
+    return [torch.cat([q.expand(num_heads, -1), k.expand(num_kv_heads, -1)]) for q, k in pairs]
 
 
 def _args_of(layer: nn.Module | Tensor) -> LinearArgs | None:
