@@ -103,12 +103,20 @@ def _routed_mlp(
     tokens = x.shape[0]
     if tokens == 1:
         choices: list[int] = expert_ids[0].tolist()
-        per_choice: list[Tensor] = []
+        # Experts.expert op for op, but for the activation: SiLU-mul is elementwise, so one call
+        # over the chosen experts' stacked gate_up rows gives each its own values.
+        gate_ups: list[Tensor] = []
         for expert in choices:
             i = router + 1 + 2 * expert
-            per_choice.append(
-                _expert_mlp(x, i, kinds, weights, auxes, biases, groups, outs, pads, intermediate)
-            )
+            gate_ups.append(linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i]))
+        stacked = torch.cat(gate_ups)  # [top_k, 2I]
+        activated = F.silu(stacked[:, :intermediate]) * stacked[:, intermediate:]
+        per_choice: list[Tensor] = []
+        for choice, expert in enumerate(choices):
+            i = router + 2 + 2 * expert
+            rows = activated[choice : choice + 1]
+            down = linear(rows, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+            per_choice.append(down)
         weighted_choices = torch.cat(per_choice) * chosen.reshape(-1, 1)
         return weighted_choices.view(1, top_k, -1).sum(dim=1)
     expanded = x.repeat_interleave(top_k, dim=0)

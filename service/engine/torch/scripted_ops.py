@@ -67,13 +67,21 @@ def linear(
     out_features: int,
     pad_rows: int,
 ) -> Tensor:
-    if kind == 2:  # INT4, as Int4Linear.forward (the kernel computes in its scales' dtype)
-        out = torch._weight_int4pack_mm_for_cpu(x.to(aux.dtype), weight, group, aux).to(x.dtype)
+    # The int kernels compute in their scales' dtype; where it is the input's, the casts of
+    # Int4Linear / Int8Linear.forward are no-ops, not dispatched here (two ops a layer fewer).
+    if kind == 2:  # INT4, as Int4Linear.forward
+        if aux.dtype == x.dtype:
+            out = torch._weight_int4pack_mm_for_cpu(x, weight, group, aux)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x.to(aux.dtype), weight, group, aux).to(x.dtype)
         if out.shape[-1] != out_features:
             out = out[..., :out_features]
         return out if bias is None else out + bias
     if kind == 3:  # INT8, as Int8Linear.forward
-        out = torch._weight_int8pack_mm(x.to(aux.dtype), weight, aux).to(x.dtype)
+        if aux.dtype == x.dtype:
+            out = torch._weight_int8pack_mm(x, weight, aux)
+        else:
+            out = torch._weight_int8pack_mm(x.to(aux.dtype), weight, aux).to(x.dtype)
         return out if bias is None else out + bias
     if kind == 1:  # PACKED, as PackedLinear.forward
         rows = x.shape[0]
