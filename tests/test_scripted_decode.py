@@ -23,7 +23,7 @@ from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
 from service.engine.torch.lora_slots import LoraSlots
 from service.engine.torch.paged_attention import AttentionMetadata, PagedAttention
-from service.engine.torch.scripted_decode import ScriptedDecoder, _routed_mlp
+from service.engine.torch.scripted_decode import _SERIAL_ELEMENTS, ScriptedDecoder, _expert_mlp, _routed_mlp
 from service.serving import config_for
 from tests.conftest import TEST_THREADS
 from tests.test_model_gemma3 import _hf_config as gemma3_config
@@ -181,6 +181,43 @@ def test_a_one_token_routed_mlp_runs_its_chosen_experts_without_sorting() -> Non
     with torch.profiler.profile() as profile:
         _routed_mlp(tokens, 0, *args)
     assert "aten::argsort" in {event.key for event in profile.key_averages()}  # the profile sees it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("inter", "top_k"), [(77, 3), (30001, 3)], ids=["one-piece", "per-expert"])
+def test_a_one_token_routed_mlp_is_bitwise_one_expert_at_a_time(
+    dtype: torch.dtype, inter: int, top_k: int
+) -> None:
+    """The one-token path gives bitwise what one call per chosen expert gives (Experts.expert):
+    its single SiLU-mul over the stacked rows, at an intermediate size with a scalar tail after the
+    vector loop, on two threads; and past _SERIAL_ELEMENTS its per-expert calls (a threaded split
+    there can fall mid-row, where aten's vector and scalar exp differ in the last bit now and then:
+    1 element of 3 x 30001 float32 in a trial, value-dependent, so not reproduced here)."""
+    assert (top_k * inter > _SERIAL_ELEMENTS) == (inter > 1000)
+    generator = torch.Generator().manual_seed(7)
+    hidden, experts = 16, 4
+    weights = [torch.randn(experts, hidden, generator=generator).to(dtype)]
+    for _ in range(experts):
+        weights += [
+            (torch.randn(2 * inter, hidden, generator=generator) / 4).to(dtype),
+            (torch.randn(hidden, inter, generator=generator) / 64).to(dtype),
+        ]
+    count = len(weights)
+    linears = ([0] * count, weights, [torch.empty(0)] * count, [None] * count, [0] * count,
+               [w.shape[0] for w in weights], [0] * count)  # fmt: skip
+    x = torch.randn(1, hidden, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = _routed_mlp(x, 0, *linears, experts, top_k, inter, True)
+        probs = torch.softmax(torch.nn.functional.linear(x, weights[0]), dim=-1, dtype=torch.float32)
+        chosen, ids = torch.topk(probs, top_k, dim=-1)
+        chosen = (chosen / chosen.sum(dim=-1, keepdim=True)).to(dtype)
+        alone = [_expert_mlp(x, 1 + 2 * e, *linears, inter) for e in ids[0].tolist()]
+    finally:
+        torch.set_num_threads(threads)
+    want = (torch.cat(alone) * chosen.reshape(-1, 1)).view(1, top_k, -1).sum(dim=1)
+    assert torch.equal(got, want)
 
 
 def test_scripted_decode_matches_eager_on_the_embedded_model() -> None:

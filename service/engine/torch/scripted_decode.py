@@ -16,10 +16,11 @@ Invariant: the scripted stack calls the same ops, in the same order, on the same
 eager path (LlamaDecoderLayer, SparseMoeBlock or Gemma3DecoderLayer and their linears, KVPool.write /
 gather_pair / run_pair and PagedAttention._decode), so its hidden states are bitwise the eager
 ones (two exceptions, bitwise too: a one-token routed MLP runs its chosen experts without the
-grouped path's sort, `_routed_mlp`; Qwen3's q and k norms and RoPE run as one call each over the
-adjacent q and k heads, as the eager layer rotates them without norms, where it calls each twice;
-both are row-wise): batch invariance and the numerics against transformers hold unchanged
-(tests/test_scripted_decode.py holds the two together; a change to either side must keep it).
+grouped path's sort, their SiLU-mul as one call, `_routed_mlp`; Qwen3's q and k norms and RoPE
+run as one call each over the adjacent q and k heads, as the eager layer rotates them without
+norms, where it calls each twice; both are row-wise): batch invariance and the numerics against
+transformers hold unchanged (tests/test_scripted_decode.py holds the two together; a change to
+either side must keep it).
 Steps with prefill chunks run eagerly. A step whose other sequences verify drafts (speculative
 decoding) is a decode-only step too: the model runner lays each verified token out as a decode row
 of its own, attending to its sequence's context up to itself (model_runner._verify_rows).
@@ -51,6 +52,8 @@ from service.engine.torch.scripted_ops import FLOAT, LinearArgs, attend, linear,
 
 # The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
 _ROLES = ("qkv", "o", "gate_up", "down")
+# Elements aten's elementwise kernels run unsplit by threads (at::internal::GRAIN_SIZE).
+_SERIAL_ELEMENTS = 32768  # written out in _routed_mlp: TorchScript takes no module constants
 
 
 def _expert_mlp(
@@ -92,7 +95,8 @@ def _routed_mlp(
 
     One token (a lone stream's decode step) skips the sort: its top_k experts are distinct, so each
     has one row, the token itself; they run in choice order and their outputs stack in the order
-    the grouped loop scatters them to, the same matmuls on the same rows (bitwise the same)."""
+    the grouped loop scatters them to, the same matmuls on the same rows (bitwise the same), with
+    one SiLU-mul over the experts' stacked gate_up rows where aten runs it in one piece."""
     i = router
     logits = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
@@ -103,14 +107,19 @@ def _routed_mlp(
     tokens = x.shape[0]
     if tokens == 1:
         choices: list[int] = expert_ids[0].tolist()
-        # Experts.expert op for op, but for the activation: SiLU-mul is elementwise, so one call
-        # over the chosen experts' stacked gate_up rows gives each its own values.
         gate_ups: list[Tensor] = []
         for expert in choices:
             i = router + 1 + 2 * expert
             gate_ups.append(linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i]))
-        stacked = torch.cat(gate_ups)  # [top_k, 2I]
-        activated = F.silu(stacked[:, :intermediate]) * stacked[:, intermediate:]
+        # Experts.expert op for op, but for the activation: one SiLU-mul over the chosen experts'
+        # stacked gate_up rows, row for row the values of one call per expert while aten runs it in
+        # one piece (a threaded split could fall mid-row and move that row's vector/scalar-tail
+        # split); past _SERIAL_ELEMENTS one call per expert, as Experts.expert makes.
+        if top_k * intermediate > 32768:  # _SERIAL_ELEMENTS
+            activated = torch.cat([F.silu(g[:, :intermediate]) * g[:, intermediate:] for g in gate_ups])
+        else:
+            stacked = torch.cat(gate_ups)  # [top_k, 2I]
+            activated = F.silu(stacked[:, :intermediate]) * stacked[:, intermediate:]
         per_choice: list[Tensor] = []
         for choice, expert in enumerate(choices):
             i = router + 2 + 2 * expert

@@ -68,7 +68,7 @@ def linear(
     pad_rows: int,
 ) -> Tensor:
     # The int kernels compute in their scales' dtype; where it is the input's, the casts of
-    # Int4Linear / Int8Linear.forward are no-ops, not dispatched here (two ops a layer fewer).
+    # Int4Linear / Int8Linear.forward are no-ops, not dispatched here (two ops a linear fewer).
     if kind == 2:  # INT4, as Int4Linear.forward
         if aux.dtype == x.dtype:
             out = torch._weight_int4pack_mm_for_cpu(x, weight, group, aux)
