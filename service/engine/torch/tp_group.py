@@ -36,6 +36,7 @@ import logging
 import multiprocessing.connection
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -61,6 +62,8 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 RENDEZVOUS_TIMEOUT_S = 120.0  # how long the ranks' processes have to start and meet
 # How long a stopping worker gets to leave on its own, then after terminate, before it is killed.
 STOP_GRACE_S = 5.0
+# How long the watchdog lets the other ranks show their exit after the first it sees.
+DEATH_SETTLE_S = 0.2
 
 
 class TensorParallelError(RuntimeError):
@@ -233,12 +236,22 @@ class TPGroup:
 
     def _watchdog(self) -> None:
         sentinels = {w.sentinel: (rank, w) for rank, w in enumerate(self._workers, start=1)}
-        ready = multiprocessing.connection.wait(list(sentinels))
+        multiprocessing.connection.wait(list(sentinels))
+        # A rank whose peer died fails its own collective and exits too, and may show first: after
+        # a moment, every rank gone is named, the ones a signal ended first (the cause).
+        time.sleep(DEATH_SETTLE_S)
         if self._stopping.is_set():
             return
-        rank, worker = sentinels[ready[0]]  # type: ignore[index]
-        worker.wait()
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=0)
+        exited = [sentinels[sentinel] for sentinel in ready]  # type: ignore[index]
+        for _, worker in exited:
+            worker.wait()
+        exited.sort(key=lambda gone: ((gone[1].exit_code or 0) >= 0, gone[0]))
+        rank, worker = exited[0]
         self.death = f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exit_code}"
+        also = [f"rank {other} (pid {w.pid}) with code {w.exit_code}" for other, w in exited[1:]]
+        if also:
+            self.death += f" (also exited: {', '.join(also)})"
         self._died.set()
         log.error("%s: the engine cannot continue", self.death)
         if self._on_death is not None:
