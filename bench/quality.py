@@ -8,6 +8,8 @@ Per precision (the model built as the engine builds it: same loader, same CPU pr
 - greedy agreement with the reference precision (bf16) over the 50 prompts of
   tests/data/prompts.txt, chat-formatted: share of prompts whose first --tokens generated tokens
   are identical, and the mean length of the common prefix;
+- "int4_wo+w4a8": int4_wo on the W4A8 kernel (NIM_CPU_INT4_KERNEL=auto: each block of 32
+  activations rounded to int8, native/w4a8.py); "int4_wo" alone is aten's weight-only kernel;
 - "int4_wo+dense": int4_wo with its prompts (the perplexity windows, each greedy prompt) through
   the bf16 copies NIM_DENSE_PROMPT_ROWS attaches (service/engine/models/prompt_rows.py), decode
   steps on the int4 kernel, as the engine serves it under bf16 activations;
@@ -46,15 +48,17 @@ def embedded_gguf() -> Path:
 
 
 DENSE = "+dense"  # a precision's suffix: prompt rows through dense bf16 copies
+W4A8 = "+w4a8"  # int4_wo's suffix: its layers on the W4A8 kernel (activations rounded to int8)
 
 
 def load(path: Path, precision: str):
-    base = precision.removesuffix(DENSE)
+    base = precision.removesuffix(DENSE).removesuffix(W4A8)
     dtype = torch.float32 if base == "fp32" else choose_dtype("auto", torch.device("cpu"))
     config, weights = load_gguf(path, base)
+    kernel = "w4a8" if W4A8 in precision else "aten"
     model = build_model(
-        config, weights, dtype, "cpu", BuildOptions(prepack_cpu=True)
-    )  # as the engine builds it
+        config, weights, dtype, "cpu", BuildOptions(prepack_cpu=True, int4_kernel=kernel)
+    )  # as the engine builds it (the head as loaded)
     if precision.endswith(DENSE):
         layers = [layer.module for layer in model.linear_layers() if isinstance(layer.module, Int4Linear)]
         if not layers or dtype != torch.bfloat16 or any(m.attach_dense() for m in layers):

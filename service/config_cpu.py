@@ -1,6 +1,7 @@
-"""Settings of the CPU's compute paths (NIM_COMPACT_LOGITS, NIM_DENSE_PROMPT_ROWS): a base of
-`service.config.Settings`; what they choose is service.engine.torch.rank_loading's and
-service.engine.torch.dense_prompts' to decide, and /v1/metadata shows."""
+"""Settings of the CPU's compute paths (NIM_COMPACT_LOGITS, NIM_CPU_INT4_KERNEL,
+NIM_DENSE_PROMPT_ROWS): a base of `service.config.Settings`; what they choose is
+service.engine.torch.rank_loading's, int4_kernel's and dense_prompts' to decide, and /v1/metadata
+shows."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class CpuFields(BaseSettings):
         "and batch-invariant: VNNI or AMX), else as weight-only does; weight-only: with bf16 "
         "activations the same int8 tables, the input in bf16, with fp32 activations the projection as "
         "float16 computed in float32 (fbgemm); off: in the activation dtype.",
+    )
+    cpu_int4_kernel: Literal["auto", "weight-only"] = Field(
+        "auto",
+        validation_alias=AliasChoices("NIM_CPU_INT4_KERNEL"),
+        description="int4_wo on the CPU: auto rounds each block of 32 activations to int8 and sums the "
+        "products with the int4 weights in integer dot-product instructions (AVX-512 VNNI or AVX2; a "
+        "kernel built on first use with g++, checked at start-up), as llama.cpp's Q4_1 x Q8_1; "
+        "weight-only: aten's int4 kernel, activations unrounded (bf16).",
     )
     dense_prompt_rows: Literal["auto", "off"] = Field(
         "auto",

@@ -84,9 +84,12 @@ def test_a_layer_sends_the_steps_prompt_rows_dense_and_the_rest_to_the_int4_kern
 def cores() -> Iterator[dict[str, TorchEngineCore]]:
     built = {}
     for name, chunk, dense in (("big", 512, "auto"), ("small", 16, "auto"), ("off", 512, "off")):
+        # aten's int4 kernel: the copies are compared with the weights it multiplies (W4A8 rounds
+        # the activations too, test_w4a8.py)
         settings = load_settings(
-            num_threads=1, max_model_len=512, max_num_batched_tokens=chunk, dense_prompt_rows=dense
-        )
+            num_threads=1, max_model_len=512, max_num_batched_tokens=chunk, dense_prompt_rows=dense,
+            cpu_int4_kernel="weight-only",
+        )  # fmt: skip
         core = build_core(config_for(settings))
         core.start(lambda: None, lambda error: None)
         built[name] = core

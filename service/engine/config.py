@@ -215,6 +215,7 @@ class EngineConfig:
     compact_logits: bool = True  # the CPU, weight-only int: an int8 or float16 head (NIM_COMPACT_LOGITS)
     w8a8_logits: bool = True  # and its input rows int8 too, where the start-up probe passes
     dense_prompt_rows: bool = True  # the CPU, int4 under bf16: prompt rows dense (NIM_DENSE_PROMPT_ROWS)
+    w4a8_int4: bool = True  # the CPU, int4: activations rounded to int8, integer sums (NIM_CPU_INT4_KERNEL)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

@@ -51,6 +51,9 @@ class BuildOptions:
     # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
     # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
     int_kernels_in_bf16: bool = False
+    # The CPU, native int4 layers: "w4a8" moves them to the W4A8 kernel once loaded (activations
+    # rounded to int8 per block of 32, integer dot products: native/w4a8.py); "aten", aten's.
+    int4_kernel: Literal["aten", "w4a8"] = "aten"
 
 
 ONE_PROCESS = BuildOptions()  # the whole model here, PyTorch's ops: what a model is built with by default

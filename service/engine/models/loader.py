@@ -12,6 +12,7 @@ quantized at load otherwise (`quantize_at_load`).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,6 +46,8 @@ from service.store.checkpoint import Checkpoint, inspect_local, weight_files
 
 Weight = torch.Tensor | QuantizedWeight
 # Group size for int4 quantized at load from a float checkpoint (GGUF files use their 32).
+log = logging.getLogger(__name__)
+
 DEFAULT_INT4_GROUP = 128
 _LAYER_LINEAR = re.compile(
     r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
@@ -335,6 +338,8 @@ def build_model(
         model = model_class(config.architecture)(config, options)
     model = model.to(dtype=dtype)
     model.load_weights(weights, device=device)
+    if options.int4_kernel == "w4a8":
+        _use_w4a8(model)
     if options.int_kernels_in_bf16:
         assert isinstance(model, nn.Module)
         for module in model.modules():
@@ -345,3 +350,17 @@ def build_model(
     if options.prepack_cpu and isinstance(model, CpuPrepackable) and prepacking_supported(dtype, device):
         model.prepack_for_cpu()
     return model
+
+
+def _use_w4a8(model: CausalLM) -> None:
+    """Move every native int4 layer to the W4A8 kernel; one that cannot stays on aten's, logged
+    once per reason."""
+    assert isinstance(model, nn.Module)
+    kept: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.native:
+            why = module.use_w4a8()
+            if why is not None:
+                kept[why] = kept.get(why, 0) + 1
+    for why, count in kept.items():
+        log.warning("%d int4 layers stay on aten's int4 kernel: %s", count, why)

@@ -38,6 +38,7 @@ from service.engine.models.quant import (
     NVFP4Weight,
     QuantizedWeight,
 )
+from service.engine.native import w4a8
 from service.engine.precision import SPECS
 from service.engine.precision import precision_mode as _precision_mode
 from service.model.quantization import QuantizationError
@@ -86,8 +87,12 @@ class QuantLinear(nn.Module):
 
 class Int4Linear(QuantLinear):
     precision = "int4_wo"
-    packed: Tensor  # native: uint8, aten's CPU int4 layout
-    scales_zeros: Tensor  # native: [K / group, N, 2]
+    # native: "aten", aten's CPU int4 kernel (activations in bf16 or float32), or "w4a8" once
+    # use_w4a8 has moved the weight to the W4A8 kernel's layout (native/w4a8.py: activations
+    # rounded to int8 per block of 32, integer dot products)
+    kernel = "aten"
+    packed: Tensor  # native: uint8, aten's CPU int4 layout, or W4A8's (w4a8.pack)
+    scales_zeros: Tensor  # native: aten's [K / group, N, 2], or W4A8's float32 scales and mins
     nibbles: Tensor  # emulated: uint8 [N, K / 2], and the format's scales
     scale: Tensor
     zero: Tensor
@@ -119,17 +124,39 @@ class Int4Linear(QuantLinear):
             self.register_buffer("zero", weight.zero.to(device))
 
     def compute_in(self, dtype: torch.dtype) -> None:
-        """Run the native kernel in `dtype` (see CPU_INT_KERNEL_DTYPE), the input and output cast."""
-        if self.native:
+        """Run aten's kernel in `dtype` (see CPU_INT_KERNEL_DTYPE), the input and output cast (the
+        W4A8 kernel takes float32 and bf16 inputs as they come)."""
+        if self.native and self.kernel == "aten":
             self.scales_zeros = self.scales_zeros.to(dtype)
+
+    def use_w4a8(self) -> str | None:
+        """Hold the weight in the W4A8 kernel's layout instead of aten's, the same values and
+        scales (native/w4a8.py; its kernel must be loaded); None, or why it stays on aten's."""
+        assert self.native and self.kernel == "aten", "W4A8: from a native int4 layer on aten's kernel"
+        if self.in_features % w4a8.BLOCK or self.group_size % w4a8.BLOCK:
+            blocks = f"{self.in_features} inputs in groups of {self.group_size}"
+            return f"{blocks} are not whole blocks of {w4a8.BLOCK}"
+        values = prompt_rows.int4_values(self.packed, self.scales_zeros, self.group_size, self.in_features)
+        if isinstance(values, str):
+            return values
+        n = self.out_features
+        scale, zero = (self.scales_zeros[..., i].t().float()[:n] for i in (0, 1))
+        self.packed, self.scales_zeros = w4a8.pack(values[:n], scale, zero, self.group_size)
+        self.kernel = "w4a8"
+        return None
 
     def attach_dense(self) -> str | None:
         """Hold the weight dequantized to bf16 as well, for a step's prompt rows (prompt_rows);
         None, or why it cannot."""
         assert self.native and self.dtype == torch.bfloat16, "dense prompt rows: native int4, bf16"
-        weight = prompt_rows.dense_int4(
-            self.packed, self.scales_zeros, self.group_size, self.out_features, self.in_features
-        )
+        weight: Tensor | str
+        if self.kernel == "w4a8":
+            dense = w4a8.dequantize(self.packed, self.scales_zeros, self.out_features, self.group_size)
+            weight = dense.to(torch.bfloat16)
+        else:
+            weight = prompt_rows.dense_int4(
+                self.packed, self.scales_zeros, self.group_size, self.out_features, self.in_features
+            )
         if isinstance(weight, str):
             return weight
         self.dense = prompt_rows.DenseWeight(weight)
@@ -159,6 +186,8 @@ class Int4Linear(QuantLinear):
         return out if self.bias is None else out + self.bias
 
     def _kernel(self, x: Tensor) -> Tensor:
+        if self.kernel == "w4a8":
+            return w4a8.linear(x, self.packed, self.scales_zeros, self.group_size, self.out_features)
         kernel = self.scales_zeros.dtype
         out = cast(Tensor, _INT4_MM_CPU(x.to(kernel), self.packed, self.group_size, self.scales_zeros))
         out = out.to(x.dtype)

@@ -22,6 +22,7 @@ FLOAT: Final = 0  # nn.Linear: F.linear
 PACKED: Final = 1  # PackedLinear: oneDNN's packed matmul, small batches padded where it says so
 INT4: Final = 2  # Int4Linear (native): aten's CPU int4 kernel, padded output rows cut
 INT8: Final = 3  # Int8Linear (native): aten's int8 weight-only kernel
+W4A8: Final = 4  # Int4Linear on the W4A8 kernel (native/w4a8.py): any input dtype, exact output rows
 
 # The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
 _ROLES = ("qkv", "o", "gate_up", "down")
@@ -33,9 +34,9 @@ class LinearArgs:
 
     kind: int
     weight: Tensor  # the weight as the kernel takes it (packed for PACKED and INT4)
-    aux: Tensor  # INT4: scales and zeros; INT8: scales; else an empty tensor
+    aux: Tensor  # INT4: scales and zeros; W4A8: scales and mins; INT8: scales; else an empty tensor
     bias: Tensor | None
-    group: int  # INT4: the group size; else 0
+    group: int  # INT4 and W4A8: the group size; else 0
     out_features: int
     pad_rows: int  # PACKED: batches of fewer rows are padded to this many; else 0
 
@@ -43,6 +44,10 @@ class LinearArgs:
 def linear_args(module: nn.Module) -> LinearArgs | None:
     """`module` as the scripted stack runs it; None where only its own forward can."""
     none = torch.empty(0)
+    if isinstance(module, Int4Linear) and module.native and module.kernel == "w4a8":
+        return LinearArgs(
+            W4A8, module.packed, module.scales_zeros, module.bias, module.group_size, module.out_features, 0
+        )
     if isinstance(module, Int4Linear) and module.native:
         return LinearArgs(
             INT4, module.packed, module.scales_zeros, module.bias, module.group_size, module.out_features, 0
@@ -69,6 +74,9 @@ def linear(
 ) -> Tensor:
     # The int kernels compute in their scales' dtype; where it is the input's, the casts of
     # Int4Linear / Int8Linear.forward are no-ops, not dispatched here (two ops a linear fewer).
+    if kind == 4:  # W4A8, as Int4Linear.forward
+        w4a8: Tensor = torch.ops.nim_cpu.w4a8_linear(x, weight, aux, group, out_features)
+        return w4a8 if bias is None else w4a8 + bias
     if kind == 2:  # INT4, as Int4Linear.forward
         if aux.dtype == x.dtype:
             out = torch._weight_int4pack_mm_for_cpu(x, weight, group, aux)

@@ -1,0 +1,360 @@
+// W4A8 linear for the CPU: int4 weights times int8-quantized activations, integer dot products.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k], with w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]
+// (Int4Weight, group g = k / group_size) and x quantized per block of 32 inputs:
+// x[m, k] ~ d[m, b] * xq[m, k], xq in [-127, 127], d = max|x| / 127 over the block.
+// Then, per block b of group g:
+//   sum_k x * w ~ scale[n, g] * d[m, b] * sum_k q * xq  +  (zero - 8 * scale)[n, g] * sum_k x
+// The integer sums are exact (u8 nibbles times s8: VNNI's vpdpbusd, or AVX2's vpmaddubsw, whose
+// 16-bit pair sums cannot saturate at 2 * 15 * 127); the zero term takes the exact float sum of x.
+//
+// Invariant: a row's outputs depend only on that row and the weights, computed in the same order
+// whatever the number of rows or threads (threads split output tiles, never a sum), so a decode
+// row's logits do not depend on what else shares its step.
+//
+// Weight layout (w4a8_pack): tiles of 16 output rows; per tile and block of 32 inputs 256 bytes,
+// 4 x 64: byte j of part p holds row j / 4's input 8p + j % 4 in its low nibble and input
+// 8p + 4 + j % 4 in its high nibble, so one 64-byte load feeds two vpdpbusd over 16 rows (or four
+// vpmaddubsw over 8). Per tile and group: 16 scales, then 16 (zero - 8 * scale), float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16;   // output rows per tile
+constexpr int64_t kBlock = 32;  // inputs per activation block
+constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;
+
+struct Quantized {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K / 32]
+  std::vector<float> sums;    // [M, K / group]: sums of the rounded inputs, d * sum(xq) per block
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// One block of 32 inputs (already float): its int8 values, scale, and the integer sum of the
+// values. Every step is elementwise, a max, or an integer sum, so the result does not depend on
+// how the compiler vectorises it: each ISA's copy below gives the same bits.
+#define NIM_QUANTIZE_BLOCK(xf, q, d_out, isum_out)                          \
+  {                                                                        \
+    float amax = 0.f;                                                      \
+    int32_t nans = 0;                                                      \
+    for (int i = 0; i < kBlock; ++i) {                                     \
+      amax = std::max(amax, std::fabs(xf[i]));                             \
+      nans += xf[i] != xf[i];                                              \
+    }                                                                      \
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;                     \
+    int32_t isum = 0;                                                      \
+    for (int i = 0; i < kBlock; ++i) {                                     \
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xf[i] * inv))); \
+      q[i] = static_cast<int8_t>(v);                                       \
+      isum += static_cast<int32_t>(v);                                     \
+    }                                                                      \
+    d_out = nans ? std::nanf("") : amax / 127.f; /* a NaN input: NaN out */ \
+    isum_out = isum;                                                       \
+  }
+
+#define NIM_QUANTIZE_BLOCKS(NAME, TARGET)                                                   \
+  TARGET void NAME(const float* xf, int8_t* q, float* d, int32_t* isums, int64_t blocks) {  \
+    for (int64_t b = 0; b < blocks; ++b) {                                                  \
+      NIM_QUANTIZE_BLOCK((xf + b * kBlock), (q + b * kBlock), d[b], isums[b]);              \
+    }                                                                                       \
+  }
+
+NIM_QUANTIZE_BLOCKS(quantize_blocks_avx512, __attribute__((target("avx512f,avx512bw"))))
+NIM_QUANTIZE_BLOCKS(quantize_blocks_avx2, __attribute__((target("avx2,fma"))))
+NIM_QUANTIZE_BLOCKS(quantize_blocks_portable, )
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t isa, Quantized& out) {
+  const int64_t blocks = k / kBlock, groups = k / group, per_group = group / kBlock;
+  out.q.resize(m_rows * k);
+  out.d.resize(m_rows * blocks);
+  out.sums.resize(m_rows * groups);
+  std::vector<float> xf(k);
+  std::vector<int32_t> isums(blocks);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const T* row = x + m * k;
+    for (int64_t i = 0; i < k; ++i) xf[i] = to_float(row[i]);
+    int8_t* q = out.q.data() + m * k;
+    float* d = out.d.data() + m * blocks;
+    if (isa == 2) {
+      quantize_blocks_avx512(xf.data(), q, d, isums.data(), blocks);
+    } else if (isa == 1) {
+      quantize_blocks_avx2(xf.data(), q, d, isums.data(), blocks);
+    } else {
+      quantize_blocks_portable(xf.data(), q, d, isums.data(), blocks);
+    }
+    // The rounded inputs' sum per weight group, block by block in order (fixed: no vectorised sum).
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s = std::fmaf(d[b], static_cast<float>(isums[b]), s);
+      out.sums[m * groups + g] = s;
+    }
+  }
+}
+
+// One tile (16 output rows) for one quantized input row, scalar: the reference the SIMD paths
+// follow operation for operation (fmaf where they fuse).
+void tile_scalar(const uint8_t* w, const float* sm, const int8_t* xq, const float* d, const float* sums,
+                 int64_t k, int64_t group, float* acc) {
+  const int64_t blocks = k / kBlock, per_group = group / kBlock;
+  for (int64_t r = 0; r < kTile; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / per_group;
+    const float* scale = sm + g * 2 * kTile;
+    const uint8_t* wb = w + b * kTileBlockBytes;
+    const int8_t* xb = xq + b * kBlock;
+    for (int64_t r = 0; r < kTile; ++r) {
+      int32_t isum = 0;
+      for (int64_t p = 0; p < 4; ++p) {
+        for (int64_t j = 0; j < 4; ++j) {
+          const uint8_t byte = wb[p * 64 + r * 4 + j];
+          isum += static_cast<int32_t>(byte & 0x0F) * xb[8 * p + j];
+          isum += static_cast<int32_t>(byte >> 4) * xb[8 * p + 4 + j];
+        }
+      }
+      acc[r] = std::fmaf(static_cast<float>(isum), scale[r] * d[b], acc[r]);
+    }
+    if ((b + 1) % per_group == 0) {
+      const float* mins = scale + kTile;
+      for (int64_t r = 0; r < kTile; ++r) acc[r] = std::fmaf(mins[r], sums[g], acc[r]);
+    }
+  }
+}
+
+// Rows: R input rows at a time over one tile, each block's nibbles unpacked once for all R; every
+// row's operations are those of R = 1 (and of tile_scalar), so the batch changes no result.
+struct Rows {
+  const int8_t* xq;    // row 0's quantized inputs; row r at + r * k
+  const float* d;      // row 0's block scales; row r at + r * blocks
+  const float* sums;   // row 0's group sums; row r at + r * groups
+  float* acc;          // row r's 16 outputs at + r * 16
+};
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tile_vnni(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+  const int64_t blocks = k / kBlock, per_group = group / kBlock, groups = k / group;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / per_group;
+    const float* scale = sm + g * 2 * kTile;
+    const uint8_t* wb = w + b * kTileBlockBytes;
+    __m512i lo[4], hi[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i packed = _mm512_loadu_si512(wb + p * 64);
+      lo[p] = _mm512_and_si512(packed, low);
+      hi[p] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    const __m512 scales = _mm512_loadu_ps(scale);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = rows.xq + r * k + b * kBlock;
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + 8 * p, 4);
+        std::memcpy(&x1, xb + 8 * p + 4, 4);
+        isum = _mm512_dpbusd_epi32(isum, lo[p], _mm512_set1_epi32(x0));
+        isum = _mm512_dpbusd_epi32(isum, hi[p], _mm512_set1_epi32(x1));
+      }
+      const __m512 factor = _mm512_mul_ps(scales, _mm512_set1_ps(rows.d[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), factor, acc[r]);
+    }
+    if ((b + 1) % per_group == 0) {
+      const __m512 mins = _mm512_loadu_ps(scale + kTile);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(rows.sums[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.acc + r * kTile, acc[r]);
+}
+
+template <int R>
+__attribute__((target("avx2,fma")))
+void tile_avx2(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+  const int64_t blocks = k / kBlock, per_group = group / kBlock, groups = k / group;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / per_group;
+    const float* scale = sm + g * 2 * kTile;
+    const uint8_t* wb = w + b * kTileBlockBytes;
+    __m256i isum0[R], isum1[R];
+    for (int r = 0; r < R; ++r) isum0[r] = isum1[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      // Rows 0-7, then 8-15: pair sums (16-bit, at most 2 * 15 * 127), then sums of four (32-bit).
+      const __m256i packed0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64));
+      const __m256i packed1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32));
+      const __m256i lo0 = _mm256_and_si256(packed0, low);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(packed0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(packed1, low);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(packed1, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = rows.xq + r * k + b * kBlock;
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + 8 * p, 4);
+        std::memcpy(&x1, xb + 8 * p + 4, 4);
+        const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
+        isum0[r] = _mm256_add_epi32(isum0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo0, bx0), ones));
+        isum0[r] = _mm256_add_epi32(isum0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi0, bx1), ones));
+        isum1[r] = _mm256_add_epi32(isum1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo1, bx0), ones));
+        isum1[r] = _mm256_add_epi32(isum1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi1, bx1), ones));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 db = _mm256_set1_ps(rows.d[r * blocks + b]);
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum0[r]), _mm256_mul_ps(s0, db), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum1[r]), _mm256_mul_ps(s1, db), acc1[r]);
+    }
+    if ((b + 1) % per_group == 0) {
+      const __m256 m0 = _mm256_loadu_ps(scale + kTile), m1 = _mm256_loadu_ps(scale + kTile + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_set1_ps(rows.sums[r * groups + g]);
+        acc0[r] = _mm256_fmadd_ps(m0, s, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(m1, s, acc1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(rows.acc + r * kTile, acc0[r]);
+    _mm256_storeu_ps(rows.acc + r * kTile + 8, acc1[r]);
+  }
+}
+
+template <int R>
+void tile_portable(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+  const int64_t blocks = k / kBlock, groups = k / group;
+  for (int r = 0; r < R; ++r)
+    tile_scalar(w, sm, rows.xq + r * k, rows.d + r * blocks, rows.sums + r * groups, k, group, rows.acc + r * kTile);
+}
+
+constexpr int kRows = 4;  // input rows per pass over a tile
+
+// Runs rows [0, m_rows) of one tile through `Kernel<R>`, kRows at a time, then the rest.
+template <template <int> class Kernel>
+void tile_all_rows(const uint8_t* w, const float* sm, const Quantized& qx, int64_t m_rows, int64_t k, int64_t group,
+                   float* acc) {
+  const int64_t blocks = k / kBlock, groups = k / group;
+  int64_t m = 0;
+  auto at = [&](int64_t row) {
+    return Rows{qx.q.data() + row * k, qx.d.data() + row * blocks, qx.sums.data() + row * groups, acc + row * kTile};
+  };
+  for (; m + kRows <= m_rows; m += kRows) Kernel<kRows>::run(w, sm, at(m), k, group);
+  switch (m_rows - m) {
+    case 3: Kernel<3>::run(w, sm, at(m), k, group); break;
+    case 2: Kernel<2>::run(w, sm, at(m), k, group); break;
+    case 1: Kernel<1>::run(w, sm, at(m), k, group); break;
+    default: break;
+  }
+}
+
+template <int R> struct Vnni { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_vnni<R>(w, sm, r, k, g); } };
+template <int R> struct Avx2 { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_avx2<R>(w, sm, r, k, g); } };
+template <int R> struct Portable { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_portable<R>(w, sm, r, k, g); } };
+
+// Weight bytes one thread should have at least before a call is split across threads.
+constexpr int64_t kBytesPerThread = 32 * 1024;
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, int64_t group, int64_t isa,
+         at::Tensor& out) {
+  const int64_t m_rows = x.size(0), k = x.size(1), tiles = packed.size(0), n = out.size(1);
+  const int64_t groups = k / group;
+  Quantized qx;
+  quantize_rows(x.data_ptr<T>(), m_rows, k, group, isa, qx);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = sm.data_ptr<float>();
+  T* y = out.data_ptr<T>();
+  const int64_t tile_bytes = k * kTile / 2;
+  const int64_t grain = std::max<int64_t>(1, kBytesPerThread / tile_bytes);
+  // isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (the caller picks: torch's CPU capability and the CPU).
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(m_rows * kTile);
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = w + t * (k / kBlock) * kTileBlockBytes;
+      const float* st = s + t * groups * 2 * kTile;
+      if (isa == 2) {
+        tile_all_rows<Vnni>(wt, st, qx, m_rows, k, group, acc.data());
+      } else if (isa == 1) {
+        tile_all_rows<Avx2>(wt, st, qx, m_rows, k, group, acc.data());
+      } else {
+        tile_all_rows<Portable>(wt, st, qx, m_rows, k, group, acc.data());
+      }
+      const int64_t rows = std::min(kTile, n - t * kTile);
+      for (int64_t m = 0; m < m_rows; ++m) {
+        T* ym = y + m * n + t * kTile;
+        const float* am = acc.data() + m * kTile;
+        for (int64_t r = 0; r < rows; ++r) ym[r] = static_cast<T>(am[r]);
+      }
+    }
+  });
+}
+
+// The instructions to run: torch's own CPU capability (ATEN_CPU_CAPABILITY lowers it) and the
+// CPU's flags. 2 AVX-512 VNNI, 1 AVX2, 0 portable.
+int64_t auto_isa() {
+  static const int64_t chosen = [] {
+    const std::string capability = at::get_cpu_capability();
+    const bool avx512 = capability.rfind("AVX512", 0) == 0, avx2 = avx512 || capability == "AVX2";
+    if (avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) return int64_t{2};
+    if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int64_t{1};
+    return int64_t{0};
+  }();
+  return chosen;
+}
+
+at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& sm, int64_t group,
+                       int64_t out_features, int64_t isa) {
+  TORCH_CHECK(input.dim() == 2 && input.device().is_cpu(), "w4a8_linear: x must be a 2-D CPU tensor");
+  const at::Tensor x = input.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w4a8_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(), "w4a8_linear: bad packed weight");
+  TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.dim() == 4 && sm.is_contiguous(), "w4a8_linear: bad scales");
+  const int64_t k = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(k % group == 0 && group % kBlock == 0, "w4a8_linear: group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(packed.size(1) == k / kBlock && packed.size(2) == kTileBlockBytes, "w4a8_linear: packed weight does not match K");
+  TORCH_CHECK(sm.size(0) == tiles && sm.size(1) == k / group && sm.size(2) == 2 && sm.size(3) == kTile, "w4a8_linear: scales do not match");
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "w4a8_linear: out_features does not match the tiles");
+  TORCH_CHECK(isa >= -1 && isa <= auto_isa(), "w4a8_linear: isa ", isa, " is not available here");
+  if (isa == -1) isa = auto_isa();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(x, packed, sm, group, isa, out);
+  } else {
+    run<c10::BFloat16>(x, packed, sm, group, isa, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+// w4a8_linear's schema is declared in Python (w4a8.py), where it exists whether or not this file
+// builds: TorchScript resolves the op when it compiles a decode stack that may call it.
+TORCH_LIBRARY_FRAGMENT(nim_cpu, m) {
+  m.def("w4a8_isa() -> int", &auto_isa);
+}
+
+TORCH_LIBRARY_IMPL(nim_cpu, CPU, m) {
+  m.impl("w4a8_linear", &w4a8_linear);
+}

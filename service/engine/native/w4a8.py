@@ -1,0 +1,181 @@
+"""The W4A8 CPU kernel (w4a8.cpp): int4 weights times int8-quantized activations, summed in integers.
+
+aten's CPU int4 kernel widens every weight to bf16 and multiplies in floating point: 12-18 GB/s
+of int4 at decode shapes on a 2-core AVX-512 host, so a small model's decode step is bound by that
+arithmetic, not by reading its weights. llama.cpp's Q4_1 x Q8_1 instead quantizes each block of 32
+activations to int8 and sums nibble-times-int8 products in integer dot-product instructions
+(VNNI's vpdpbusd, AVX2's vpmaddubsw). w4a8.cpp does the same over this project's Int4Weight
+(any group size that is a multiple of 32), with the zero term taken from the exact float sum of
+the activations; docs/engine.md states what the activations' rounding costs.
+
+The kernel is compiled on first use by torch.utils.cpp_extension (g++ and ninja; cached under
+TORCH_EXTENSIONS_DIR, which the container image fills at build time). Where it cannot be built or
+loaded, `problem()` says why and the int4 layers keep aten's kernel.
+
+Which instructions it uses follows torch's own CPU capability (so ATEN_CPU_CAPABILITY=avx2 makes
+an AVX-512 host run the AVX2 path, as it does aten's kernels) and the CPU's flags: AVX-512 VNNI,
+else AVX2, else portable C++. All three compute every output with the same integer sums and the
+same float operations in the same order, so they agree bitwise (tests/test_w4a8.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4a8.cpp")
+# The op's schema, declared here whether or not the kernel builds (w4a8.cpp registers its CPU
+# implementation): TorchScript resolves it when it compiles a decode stack that may call it.
+_LIBRARY = torch.library.Library("nim_cpu", "DEF")  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+_LIBRARY.define(  # type: ignore[no-untyped-call]
+    "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, int isa=-1) -> Tensor"
+)
+TILE = 16  # output rows per tile of the packed layout
+BLOCK = 32  # activations per int8 block
+ISA_NAMES = ("portable", "avx2", "avx512_vnni")
+
+
+def isa() -> str:
+    """The instructions the loaded kernel runs here (w4a8.cpp's auto_isa: torch's CPU capability,
+    which ATEN_CPU_CAPABILITY lowers, and the CPU's flags)."""
+    return ISA_NAMES[int(torch.ops.nim_cpu.w4a8_isa())]
+
+
+def _gomp_flags() -> list[str]:
+    """Link the OpenMP runtime torch itself loaded (its bundled libgomp where it ships one), so
+    at::parallel_for's threads are torch's own and no second runtime starts."""
+    lib = Path(torch.__file__).parent / "lib"
+    bundled = sorted(lib.glob("libgomp*.so*"))
+    if bundled:
+        return [f"-L{lib}", f"-l:{bundled[0].name}", f"-Wl,-rpath,{lib}"]
+    return ["-lgomp"]
+
+
+def _ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` package (a dependency) puts it
+    beside the interpreter, which PATH lacks when a virtual environment's python is run directly."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+@functools.cache
+def problem() -> str | None:
+    """None once the kernel is loaded (built on first use), else why it cannot be."""
+    if os.name != "posix":
+        return "the W4A8 kernel is built for Linux only"
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        cpp_extension.load(
+            name="nim_w4a8",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=_gomp_flags(),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler, ninja, or headers: say which, keep aten's kernel
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"the W4A8 kernel could not be built ({first})"
+    log.info("W4A8 kernel loaded (%s)", isa())
+    return None
+
+
+def pack(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Int4Weight's fields (q uint8 [N, K] in 0..15, scale and zero float32 [N, K / group]) in the
+    kernel's layout (w4a8.cpp): (uint8 [N / 16, K / 32, 256], float32 [N / 16, K / group, 2, 16]),
+    N padded to whole tiles with rows whose every term is zero."""
+    n, k = q.shape
+    if k % BLOCK or group % BLOCK or k % group:
+        raise ValueError(f"W4A8 needs K ({k}) and the group size ({group}) in whole blocks of {BLOCK}")
+    tiles = -(-n // TILE)
+    pad = tiles * TILE - n
+    if pad:
+        q = torch.cat([q, q.new_full((pad, k), 8)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    # [tile, row, block, part, half, j] -> [tile, block, part, row, j, half]
+    parts = q.view(tiles, TILE, k // BLOCK, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    packed = (parts[..., 0] | (parts[..., 1] << 4)).contiguous().view(tiles, k // BLOCK, 8 * BLOCK)
+    mins = zero - 8.0 * scale
+    sm = torch.stack([scale, mins]).view(2, tiles, TILE, k // group).permute(1, 3, 0, 2).contiguous()
+    return packed, sm.float()
+
+
+def dequantize(packed: Tensor, sm: Tensor, out_features: int, group: int) -> Tensor:
+    """The weight `pack` holds, float32 [out_features, K]: (q - 8) * scale + zero, as the kernel
+    multiplies it (scale * q + (zero - 8 * scale))."""
+    tiles, blocks, _ = packed.shape
+    k = blocks * BLOCK
+    parts = packed.view(tiles, blocks, 4, TILE, 4)  # [tile, block, part, row, j]
+    q = torch.stack([parts & 0x0F, parts >> 4], dim=-2)  # [tile, block, part, row, half, j]
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(tiles * TILE, k).float()
+    scale, mins = (sm[:, :, i].permute(0, 2, 1).reshape(tiles * TILE, k // group) for i in (0, 1))
+    weight = q.view(-1, k // group, group) * scale[..., None] + mins[..., None]
+    return weight.view(-1, k)[:out_features]
+
+
+def linear(x: Tensor, packed: Tensor, sm: Tensor, group: int, out_features: int) -> Tensor:
+    """x [M, K] (float32 or bf16) @ W.T -> [M, out_features] in x's dtype."""
+    out: Tensor = torch.ops.nim_cpu.w4a8_linear(x, packed, sm, group, out_features)
+    return out
+
+
+def reference(x: Tensor, packed: Tensor, sm: Tensor, group: int, out_features: int) -> Tensor:
+    """What the kernel computes, in float64: each block of 32 inputs rounded to int8 steps of
+    max|x| / 127 (float32 arithmetic, as the kernel rounds them), times the dequantized weight."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    steps = (blocks * torch.where(amax > 0, 127.0 / amax, 0.0)).round().clamp(-127, 127)
+    rounded = (steps.double() * (amax / 127.0).double()).view(m, k)
+    return rounded @ dequantize(packed, sm, out_features, group).double().t()
+
+
+# The start-up check: a layer of these shapes, inputs of every sign and scale, a zero row.
+_CHECK_SHAPE = (72, 256, 64)  # out_features (a partial tile), in_features, group
+_CHECK_ROWS = 40
+_CHECK_PROBED = (1, 2, 3, 4, 5, 7, 8, 9, 17, 33)
+_CHECK_TOLERANCE = 1e-5  # relative to the row's largest output: float32 rounding of the sums
+
+
+def check() -> str | None:
+    """None where the loaded kernel computes `reference` (to float32 rounding) for float32 and
+    bf16 inputs and every row alike at any batch size and place; else what it got wrong."""
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = _CHECK_SHAPE
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=generator) * 0.05
+    zero = torch.randn(n, k // group, generator=generator) * 0.05
+    packed, sm = pack(q, scale, zero, group)
+    x = torch.randn(_CHECK_ROWS, k, generator=generator) * torch.logspace(-3, 3, _CHECK_ROWS)[:, None]
+    x[0] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = x.to(dtype)
+        with torch.inference_mode():
+            out = linear(inputs, packed, sm, group, n)
+            expected = reference(inputs, packed, sm, group, n)
+            scale = expected.abs().amax(-1).clamp_min(1e-30)
+            error = ((out.double() - expected).abs().amax(-1) / scale).max()
+            if dtype == torch.float32 and not error <= _CHECK_TOLERANCE:
+                return f"the W4A8 kernel is {float(error):.2g} off its float64 reference"
+            for rows in _CHECK_PROBED:
+                for offset in (0, 1, _CHECK_ROWS - rows):
+                    part = linear(inputs[offset : offset + rows], packed, sm, group, n)
+                    if not torch.equal(part, out[offset : offset + rows]):
+                        return f"the W4A8 kernel computes a row differently at batch {rows} ({dtype})"
+    return None

@@ -1,0 +1,188 @@
+"""The W4A8 CPU kernel (service/engine/native/w4a8.cpp) and its use by the int4 layers.
+
+- It computes its float64 reference (each block of 32 inputs rounded to int8 steps, times the
+  dequantized weight) to float32 rounding, for float32 and bf16 inputs, group sizes 32 to 128,
+  partial tiles, and whatever ISA this host runs;
+- the portable, AVX2 and AVX-512 VNNI paths give the same bits (each where this CPU has it);
+- a row's outputs do not depend on the batch: any size, any place, rows split 4 at a time or not;
+- a NaN input makes only its own row NaN; zero rows give zeros;
+- `pack` / `dequantize` hold Int4Weight's values and scales;
+- an int4 layer moved to it (`use_w4a8`) computes what the kernel computes on the same weights,
+  its dense prompt-row copy is that weight, and a layer whose inputs are not whole blocks stays on
+  aten's kernel;
+- NIM_CPU_INT4_KERNEL: weight-only keeps aten's kernel (and says so), auto takes W4A8 (and says
+  why), and a failed start-up check falls back with its reason in the log.
+
+Skipped, with the reason, where the kernel cannot be built (no g++ or ninja).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from service.engine.models.quant import Int4Weight
+from service.engine.models.quant_linear import Int4Linear
+from service.engine.native import w4a8
+from service.engine.torch import int4_kernel
+
+PROBLEM = w4a8.problem()
+pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
+
+
+def _layer(n: int, k: int, group: int, seed: int = 0) -> tuple[Int4Weight, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=generator) * 0.05
+    zero = torch.randn(n, k // group, generator=generator) * 0.05
+    weight = Int4Weight(q, scale, zero, group)
+    packed, sm = w4a8.pack(q, scale, zero, group)
+    return weight, packed, sm
+
+
+def _inputs(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=generator) * torch.logspace(-2, 2, rows)[:, None]
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 32, 32), (72, 256, 64), (200, 512, 128), (48, 384, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_its_float64_reference(n: int, k: int, group: int, dtype: torch.dtype) -> None:
+    _, packed, sm = _layer(n, k, group)
+    x = _inputs(19, k).to(dtype)
+    out = w4a8.linear(x, packed, sm, group, n)
+    assert out.dtype == dtype and out.shape == (19, n)
+    expected = w4a8.reference(x, packed, sm, group, n)
+    relative = (out.double() - expected).abs().amax(-1) / expected.abs().amax(-1)
+    # float32 sums, then (bf16) the output's own rounding
+    assert relative.max() < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
+def test_the_error_against_unrounded_activations_is_the_int8_steps_of_each_block() -> None:
+    weight, packed, sm = _layer(256, 512, 128)
+    x = _inputs(8, 512)
+    exact = x.double() @ weight.dequantize().double().t()
+    out = w4a8.linear(x, packed, sm, 128, 256).double()
+    # a block's step is max|x| / 127: the sums move by a fraction of a percent of their scale
+    relative = ((out - exact).abs().amax(-1) / exact.abs().amax(-1)).max()
+    assert 1e-5 < relative < 2e-2
+
+
+def test_every_instruction_set_here_gives_the_same_bits() -> None:
+    here = ISA_LEVELS[w4a8.isa()]
+    _, packed, sm = _layer(72, 256, 64)
+    x = _inputs(13, 256)
+    results = [torch.ops.nim_cpu.w4a8_linear(x, packed, sm, 64, 72, level) for level in range(here + 1)]
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
+    with pytest.raises(RuntimeError, match="not available here"):
+        torch.ops.nim_cpu.w4a8_linear(x, packed, sm, 64, 72, here + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_computed_alike_at_any_batch_size_and_place(dtype: torch.dtype) -> None:
+    _, packed, sm = _layer(1040, 256, 64)  # 65 tiles: split over threads unevenly
+    x = _inputs(70, 256).to(dtype)
+    whole = w4a8.linear(x, packed, sm, 64, 1040)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 31, 33):
+        for offset in (0, 1, 5, 70 - rows):
+            part = w4a8.linear(x[offset : offset + rows], packed, sm, 64, 1040)
+            assert torch.equal(part, whole[offset : offset + rows]), (rows, offset)
+
+
+def test_a_nan_input_spoils_only_its_own_row_and_zero_rows_give_zeros() -> None:
+    _, packed, sm = _layer(64, 128, 64)
+    x = _inputs(4, 128)
+    clean = w4a8.linear(x, packed, sm, 64, 64)
+    x[1, 7] = float("nan")
+    x[2] = 0
+    out = w4a8.linear(x, packed, sm, 64, 64)
+    assert out[1].isnan().all()
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[3], clean[3])
+    assert torch.equal(out[2], torch.zeros(64))
+    assert w4a8.linear(x[:0], packed, sm, 64, 64).shape == (0, 64)
+
+
+def test_pack_holds_the_weights_values_and_scales() -> None:
+    weight, packed, sm = _layer(40, 128, 64)  # a partial tile: padded rows contribute nothing
+    assert packed.shape == (3, 4, 256) and sm.shape == (3, 2, 2, 16)
+    held = w4a8.dequantize(packed, sm, 40, 64)
+    torch.testing.assert_close(held, weight.dequantize(), rtol=0, atol=2e-6)
+    # one-hot inputs read the weight's columns back through the kernel
+    one_hot = torch.eye(128)[:32] * 3.0
+    columns = w4a8.linear(one_hot, packed, sm, 64, 40)
+    torch.testing.assert_close(columns, 3.0 * held[:, :32].t(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        w4a8.pack(weight.q[:, :48], weight.scale, weight.zero, 48)
+
+
+def test_the_shapes_it_is_given_are_checked() -> None:
+    _, packed, sm = _layer(32, 64, 32)
+    with pytest.raises(RuntimeError, match="does not match K"):
+        w4a8.linear(torch.randn(1, 96), packed, sm, 32, 32)
+    with pytest.raises(RuntimeError, match="out_features"):
+        w4a8.linear(torch.randn(1, 64), packed, sm, 32, 48)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        w4a8.linear(torch.randn(1, 64).half(), packed, sm, 32, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_layer_moved_to_w4a8_computes_the_kernel_on_its_weights(dtype: torch.dtype) -> None:
+    weight, _, _ = _layer(128, 256, 64, seed=3)  # aten's layout unpacks in blocks of 32 or 64 rows
+    layer = Int4Linear(weight, None, dtype, torch.device("cpu"))
+    assert layer.native and layer.kernel == "aten"
+    x = _inputs(6, 256).to(dtype)
+    before = layer(x)
+    assert layer.use_w4a8() is None and layer.kernel == "w4a8"
+    after = layer(x)
+    assert after.dtype == dtype and after.shape == (6, 128)
+    # the same values and scales as aten's layout held (rounded to the activation dtype there)
+    scale, zero = (weight.scale.to(dtype).float(), weight.zero.to(dtype).float())
+    packed, sm = w4a8.pack(weight.q, scale, zero, 64)
+    assert torch.equal(after, w4a8.linear(x, packed, sm, 64, 128))
+    relative = ((after.double() - before.double()).abs().amax(-1) / before.double().abs().amax(-1)).max()
+    assert relative < 3e-2  # the activations' int8 steps (and, in bf16, aten's rounding)
+
+
+def test_the_dense_prompt_copy_of_a_w4a8_layer_is_its_weight() -> None:
+    weight, _, _ = _layer(64, 128, 64, seed=4)
+    layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
+    assert layer.use_w4a8() is None
+    if layer.attach_dense() is None:
+        assert layer.dense is not None
+        expected = w4a8.dequantize(layer.packed, layer.scales_zeros, 64, 64).to(torch.bfloat16)
+        columns = layer.dense.matmul(torch.eye(128, dtype=torch.bfloat16)[:64])
+        assert torch.equal(columns, expected[:, :64].t())
+
+
+def test_a_layer_whose_inputs_are_not_whole_blocks_stays_on_atens_kernel() -> None:
+    weight, _, _ = _layer(64, 96, 32)
+    layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
+    layer.in_features = 80  # as a layer of 80 inputs would be: not whole blocks of 32
+    assert "not whole blocks of 32" in (layer.use_w4a8() or "")
+    assert layer.kernel == "aten"
+
+
+def test_the_setting_and_the_start_up_check_decide_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpu = torch.device("cpu")
+    chosen, why = int4_kernel.choose("int4_wo", cpu, enabled=True)
+    assert chosen == "w4a8" and w4a8.isa() in why and "NIM_CPU_INT4_KERNEL=weight-only" in why
+    chosen, why = int4_kernel.choose("int4_wo", cpu, enabled=False)
+    assert chosen == "aten" and "off (NIM_CPU_INT4_KERNEL=weight-only)" in why
+    assert int4_kernel.choose("bf16", cpu, enabled=True)[0] == "aten"
+    assert int4_kernel.choose("int4_wo", torch.device("meta"), enabled=True)[0] == "aten"
+    monkeypatch.setattr(w4a8, "check", lambda: "the W4A8 kernel computes a row differently at batch 3")
+    with caplog.at_level(logging.WARNING):
+        chosen, why = int4_kernel.choose("int4_wo", cpu, enabled=True)
+    assert chosen == "aten" and "batch 3; aten's int4 kernel instead" in why
+    assert "int4 layers run aten's int4 kernel" in caplog.text
+
+
+def test_the_start_up_check_passes_here() -> None:
+    assert w4a8.check() is None
