@@ -26,9 +26,9 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
 
 # --- the two bases: each gets /opt/nim/venv with a torch that suits it ---------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base
-# g++ builds the W4A8 CPU kernel (service/engine/native/w4a8.cpp), once, below.
+# g++ builds the W4A8 CPU kernel (service/engine/native/w4a8.cpp), once, below (bookworm's g++ 12).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+    && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
     && rm -rf /var/lib/apt/lists/*
 # The CPU torch build; from PyPI, torch would bring gigabytes of CUDA libraries.
 ARG TORCH_VERSION=2.13.0
