@@ -10,6 +10,9 @@
 - an int4 layer moved to it (`use_w4a8`) computes what the kernel computes on the same weights,
   its dense prompt-row copy is that weight, and a layer whose inputs are not whole blocks stays on
   aten's kernel;
+- the MoE op (w4a8_moe, moe.FusedExperts) is each token's experts weighted and summed, as the
+  per-expert layers compute them, and a token's output does not depend on the others routed with
+  it (tests/test_scripted_decode.py runs it in a model, scripted and eager);
 - NIM_CPU_INT4_KERNEL: weight-only keeps aten's kernel (and says so), auto takes W4A8 (and says
   why), and a failed start-up check falls back with its reason in the log.
 
@@ -22,7 +25,9 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from service.engine.models.moe import FusedExperts
 from service.engine.models.quant import Int4Weight
 from service.engine.models.quant_linear import Int4Linear
 from service.engine.native import w4a8
@@ -186,3 +191,54 @@ def test_the_setting_and_the_start_up_check_decide_the_kernel(
 
 def test_the_start_up_check_passes_here() -> None:
     assert w4a8.check() is None
+
+
+def _experts(count: int, hidden: int, inter: int, group: int) -> tuple[list, list, FusedExperts]:
+    """`count` experts' (gate_up, down) packed layers and their FusedExperts stack."""
+    gate_up = [_layer(2 * inter, hidden, group, seed=10 + e)[1:] for e in range(count)]
+    down = [_layer(hidden, inter, group, seed=50 + e)[1:] for e in range(count)]
+    fused = FusedExperts(
+        torch.stack([p for p, _ in gate_up]), torch.stack([s for _, s in gate_up]),
+        torch.stack([p for p, _ in down]), torch.stack([s for _, s in down]), group, group,
+    )  # fmt: skip
+    return gate_up, down, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_moe_op_is_each_tokens_experts_weighted_and_summed(dtype: torch.dtype) -> None:
+    """w4a8_moe gives what Experts.expert and SparseMoeBlock's weighting give on the same layers:
+    gate_up, SiLU-mul, down, each rounded to the activation dtype, the choices summed in order."""
+    experts, hidden, inter, top_k = 6, 128, 96, 3
+    gate_up, down, fused = _experts(experts, hidden, inter, 32)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(9, hidden, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(9)])
+    weights = torch.rand(9, top_k, generator=generator).to(dtype)
+    out = fused(x, ids, weights, inter)
+    for t in range(9):
+        total = torch.zeros(hidden)
+        for c in range(top_k):
+            e = int(ids[t, c])
+            g = w4a8.linear(x[t : t + 1], *gate_up[e], 32, 2 * inter)
+            activated = F.silu(g[:, :inter]) * g[:, inter:]
+            total += (w4a8.linear(activated, *down[e], 32, hidden) * weights[t, c]).float()[0]
+        # float32: the same operations; bf16: and the op's one rounding of the sum
+        torch.testing.assert_close(out[t].float(), total.to(dtype).float(), rtol=0, atol=0)
+
+
+def test_a_tokens_moe_output_does_not_depend_on_what_is_routed_with_it() -> None:
+    experts, hidden, inter, top_k = 8, 64, 64, 2
+    _, _, fused = _experts(experts, hidden, inter, 64)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, hidden, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(40)])
+    weights = torch.rand(40, top_k, generator=generator).to(torch.bfloat16)
+    whole = fused(x, ids, weights, inter)
+    for rows in (1, 2, 3, 5, 17):
+        for offset in (0, 7, 40 - rows):
+            part = fused(
+                x[offset : offset + rows], ids[offset : offset + rows], weights[offset : offset + rows], inter
+            )
+            assert torch.equal(part, whole[offset : offset + rows]), (rows, offset)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused(x[:1], torch.tensor([[0, experts]]), weights[:1], inter)

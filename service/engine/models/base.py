@@ -91,6 +91,10 @@ class RoutedMlp:
     # [rows, inputs] that F.linear takes.
     gate_up: Sequence[nn.Module | Tensor]
     down: Sequence[nn.Module | Tensor]
+    # Every expert on the W4A8 kernel (moe.FusedExperts): its stacked gate_up, gate_up scales,
+    # down and down scales, then the two group sizes; else empty: one call per expert.
+    fused: Sequence[Tensor] = ()
+    fused_groups: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

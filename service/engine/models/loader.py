@@ -27,7 +27,7 @@ from service.engine.models import gguf_blocks
 from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, CpuPrepackable
 from service.engine.models.cpu_linear import prepacking_supported
 from service.engine.models.modelopt import read_quantized
-from service.engine.models.moe import per_expert
+from service.engine.models.moe import Experts, per_expert
 from service.engine.models.quant import (
     Int4Weight,
     QuantizedWeight,
@@ -354,7 +354,7 @@ def build_model(
 
 def _use_w4a8(model: CausalLM) -> None:
     """Move every native int4 layer to the W4A8 kernel; one that cannot stays on aten's, logged
-    once per reason."""
+    once per reason. Routed layers whose experts all moved run them in one call (fuse_w4a8)."""
     assert isinstance(model, nn.Module)
     kept: dict[str, int] = {}
     for module in model.modules():
@@ -364,3 +364,8 @@ def _use_w4a8(model: CausalLM) -> None:
                 kept[why] = kept.get(why, 0) + 1
     for why, count in kept.items():
         log.warning("%d int4 layers stay on aten's int4 kernel: %s", count, why)
+    for module in model.modules():
+        if isinstance(module, Experts) and module.gate_up_layers is not None:
+            why = module.fuse_w4a8()
+            if why is not None:
+                log.warning("a routed layer's experts run one kernel call each: %s", why)

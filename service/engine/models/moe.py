@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +42,7 @@ from service.engine.models.base import ONE_PROCESS, BuildOptions, CausalLM, Llam
 from service.engine.models.llama import LlamaForCausalLM
 from service.engine.models.llama_layers import Reduce, all_reduce_of
 from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
-from service.engine.models.quant_linear import make_linear
+from service.engine.models.quant_linear import Int4Linear, make_linear
 from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import QuantizationError
@@ -78,6 +78,43 @@ def per_expert(
             yield f"{where}.up_proj.weight", up
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A routed layer's experts, all on the W4A8 kernel, stacked for its MoE op (w4a8_moe): each
+    (token, choice) pair a row of its own, grouped by expert inside the op, gate_up, SiLU-mul and
+    down each rounded to the activation dtype as Experts.expert rounds them, and each token's
+    choices weighted and summed in choice order. A pair's values depend on its token and expert
+    alone, so a token's output does not depend on what else shares the step."""
+
+    gate_up: Tensor  # [E, tiles, blocks, 256]: w4a8.pack's layout, expert by expert
+    gate_up_scales: Tensor
+    down: Tensor
+    down_scales: Tensor
+    gate_up_group: int
+    down_group: int
+
+    @staticmethod
+    def stack(gate_up: list[Int4Linear], down: list[Int4Linear]) -> FusedExperts | str:
+        for layers in (gate_up, down):
+            if len({(m.group_size, tuple(m.packed.shape), tuple(m.scales_zeros.shape)) for m in layers}) != 1:
+                return "the experts' layers differ in shape or group size"
+        return FusedExperts(
+            torch.stack([m.packed for m in gate_up]),
+            torch.stack([m.scales_zeros for m in gate_up]),
+            torch.stack([m.packed for m in down]),
+            torch.stack([m.scales_zeros for m in down]),
+            gate_up[0].group_size,
+            down[0].group_size,
+        )
+
+    def __call__(self, x: Tensor, expert_ids: Tensor, weights: Tensor, intermediate: int) -> Tensor:
+        out: Tensor = torch.ops.nim_cpu.w4a8_moe(
+            x, expert_ids, weights, self.gate_up, self.gate_up_scales, self.down, self.down_scales,
+            self.gate_up_group, self.down_group, intermediate,
+        )  # fmt: skip
+        return out
+
+
 class Experts(nn.Module):
     """`num_experts` SiLU-gated MLPs, stacked: gate_up_proj [E, 2I, H] (rows: gate | up) and
     down_proj [E, H, I]; or, quantized (`quantize`), one quantized linear layer per expert and
@@ -94,6 +131,8 @@ class Experts(nn.Module):
         # Quantized: expert e's gate_up and down layers (the Parameters above are then gone).
         self.gate_up_layers: nn.ModuleList | None = None
         self.down_layers: nn.ModuleList | None = None
+        # Every expert on the W4A8 kernel (`fuse_w4a8`): their weights stacked, run in one call.
+        self.fused: FusedExperts | None = None
 
     def quantize(
         self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight], device: torch.device
@@ -104,6 +143,22 @@ class Experts(nn.Module):
         del self.gate_up_proj, self.down_proj
         self.gate_up_layers = nn.ModuleList(make_linear(w, None, dtype, device) for w in gate_up)
         self.down_layers = nn.ModuleList(make_linear(w, None, dtype, device) for w in down)
+
+    def fuse_w4a8(self) -> str | None:
+        """Run every expert in one call of the W4A8 MoE kernel (native/w4a8.cpp's w4a8_moe): their
+        layers' weights stacked (each layer then holds a view of its share); None, or why not."""
+        gate_up = [m for m in self.gate_up_layers or [] if isinstance(m, Int4Linear) and m.kernel == "w4a8"]
+        down = [m for m in self.down_layers or [] if isinstance(m, Int4Linear) and m.kernel == "w4a8"]
+        if not gate_up or len(gate_up) != len(down) or len(gate_up) != self.num_experts:
+            return "not every expert is on the W4A8 kernel"
+        fused = FusedExperts.stack(gate_up, down)
+        if isinstance(fused, str):
+            return fused
+        for e, (g, d) in enumerate(zip(gate_up, down, strict=True)):
+            g.packed, g.scales_zeros = fused.gate_up[e], fused.gate_up_scales[e]
+            d.packed, d.scales_zeros = fused.down[e], fused.down_scales[e]
+        self.fused = fused
+        return None
 
     def forward(self, x: Tensor, expert_ids: Tensor) -> Tensor:
         """x: [N, H] rows each routed to one expert, expert_ids: [N] -> each row's expert output [N, H].
@@ -180,6 +235,10 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
+        fused = self.experts.fused
+        if fused is not None:  # every expert on the W4A8 kernel: one call (FusedExperts)
+            routed = fused(x, expert_ids, weights, self.experts.intermediate_size)
+            return routed if self.reduce is None else self.reduce(routed)
         tokens = x.shape[0]
         # Each (token, choice) pair is one row: row r belongs to token r // k.
         expanded = x.repeat_interleave(self.top_k, dim=0)  # [T*k, H]
@@ -223,7 +282,13 @@ class MoeForCausalLM(LlamaForCausalLM):
                 down: list[nn.Module | Tensor] = list(experts.down_proj.detach().unbind(0))
             else:
                 gate_up, down = list(experts.gate_up_layers), list(experts.down_layers)
-            routed.append(RoutedMlp(block.gate, gate_up, down))
+            fused = experts.fused
+            if fused is None:
+                routed.append(RoutedMlp(block.gate, gate_up, down))
+                continue
+            stacked = (fused.gate_up, fused.gate_up_scales, fused.down, fused.down_scales)
+            groups = (fused.gate_up_group, fused.down_group)
+            routed.append(RoutedMlp(block.gate, gate_up, down, stacked, groups))
         return replace(super().llama_stack(), routed=routed)
 
     @torch.no_grad()

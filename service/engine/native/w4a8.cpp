@@ -250,15 +250,14 @@ void tile_portable(const uint8_t* w, const float* sm, Rows rows, int64_t k, int6
 
 constexpr int kRows = 4;  // input rows per pass over a tile
 
-// Runs rows [0, m_rows) of one tile through `Kernel<R>`, kRows at a time, then the rest.
+// Runs m_rows quantized rows (row r's values at q + r * k, scales at d + r * k / 32, group sums
+// at sums + r * k / group) over one tile through `Kernel<R>`, kRows at a time, then the rest.
 template <template <int> class Kernel>
-void tile_all_rows(const uint8_t* w, const float* sm, const Quantized& qx, int64_t m_rows, int64_t k, int64_t group,
-                   float* acc) {
+void tile_all_rows(const uint8_t* w, const float* sm, const int8_t* q, const float* d, const float* sums,
+                   int64_t m_rows, int64_t k, int64_t group, float* acc) {
   const int64_t blocks = k / kBlock, groups = k / group;
   int64_t m = 0;
-  auto at = [&](int64_t row) {
-    return Rows{qx.q.data() + row * k, qx.d.data() + row * blocks, qx.sums.data() + row * groups, acc + row * kTile};
-  };
+  auto at = [&](int64_t row) { return Rows{q + row * k, d + row * blocks, sums + row * groups, acc + row * kTile}; };
   for (; m + kRows <= m_rows; m += kRows) Kernel<kRows>::run(w, sm, at(m), k, group);
   switch (m_rows - m) {
     case 3: Kernel<3>::run(w, sm, at(m), k, group); break;
@@ -271,6 +270,18 @@ void tile_all_rows(const uint8_t* w, const float* sm, const Quantized& qx, int64
 template <int R> struct Vnni { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_vnni<R>(w, sm, r, k, g); } };
 template <int R> struct Avx2 { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_avx2<R>(w, sm, r, k, g); } };
 template <int R> struct Portable { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_portable<R>(w, sm, r, k, g); } };
+
+// isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (auto_isa picks: torch's CPU capability and the CPU).
+void tile_rows(int64_t isa, const uint8_t* w, const float* sm, const int8_t* q, const float* d, const float* sums,
+               int64_t m_rows, int64_t k, int64_t group, float* acc) {
+  if (isa == 2) {
+    tile_all_rows<Vnni>(w, sm, q, d, sums, m_rows, k, group, acc);
+  } else if (isa == 1) {
+    tile_all_rows<Avx2>(w, sm, q, d, sums, m_rows, k, group, acc);
+  } else {
+    tile_all_rows<Portable>(w, sm, q, d, sums, m_rows, k, group, acc);
+  }
+}
 
 // Weight bytes one thread should have at least before a call is split across threads.
 constexpr int64_t kBytesPerThread = 32 * 1024;
@@ -287,25 +298,125 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, in
   T* y = out.data_ptr<T>();
   const int64_t tile_bytes = k * kTile / 2;
   const int64_t grain = std::max<int64_t>(1, kBytesPerThread / tile_bytes);
-  // isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (the caller picks: torch's CPU capability and the CPU).
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(m_rows * kTile);
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = w + t * (k / kBlock) * kTileBlockBytes;
       const float* st = s + t * groups * 2 * kTile;
-      if (isa == 2) {
-        tile_all_rows<Vnni>(wt, st, qx, m_rows, k, group, acc.data());
-      } else if (isa == 1) {
-        tile_all_rows<Avx2>(wt, st, qx, m_rows, k, group, acc.data());
-      } else {
-        tile_all_rows<Portable>(wt, st, qx, m_rows, k, group, acc.data());
-      }
+      tile_rows(isa, wt, st, qx.q.data(), qx.d.data(), qx.sums.data(), m_rows, k, group, acc.data());
       const int64_t rows = std::min(kTile, n - t * kTile);
       for (int64_t m = 0; m < m_rows; ++m) {
         T* ym = y + m * n + t * kTile;
         const float* am = acc.data() + m * kTile;
         for (int64_t r = 0; r < rows; ++r) ym[r] = static_cast<T>(am[r]);
       }
+    }
+  });
+}
+
+// A value as stored in T and read back (the rounding each op's output takes in the eager modules).
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// One projection of every expert with rows, over the rows grouped by expert: rows [starts[e],
+// starts[e + 1]) of (q, d, sums) are expert e's. Work items are (expert, tile) pairs, threads split
+// them, each row's outputs come out of the same tile loop as w4a8_linear's (so a (token, expert)
+// pair's values never depend on the other rows), rounded to T, into out[row * n + column].
+template <typename T>
+void experts_projection(int64_t isa, const at::Tensor& packed, const at::Tensor& sm, const std::vector<int64_t>& starts,
+                        const Quantized& qx, int64_t k, int64_t group, int64_t n, float* out) {
+  const int64_t experts = packed.size(0), tiles = packed.size(1), blocks = k / kBlock, groups = k / group;
+  std::vector<int64_t> items;  // expert * tiles + tile, for experts with rows
+  for (int64_t e = 0; e < experts; ++e)
+    if (starts[e + 1] > starts[e])
+      for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = sm.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (k * kTile / 2));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = items[i] / tiles, t = items[i] % tiles, first = starts[e], rows = starts[e + 1] - first;
+      acc.resize(rows * kTile);
+      const uint8_t* wt = w + (e * tiles + t) * blocks * kTileBlockBytes;
+      const float* st = s + (e * tiles + t) * groups * 2 * kTile;
+      tile_rows(isa, wt, st, qx.q.data() + first * k, qx.d.data() + first * blocks, qx.sums.data() + first * groups,
+                rows, k, group, acc.data());
+      const int64_t columns = std::min(kTile, n - t * kTile);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < columns; ++c) out[(first + r) * n + t * kTile + c] = rounded<T>(acc[r * kTile + c]);
+    }
+  });
+}
+
+// SparseMoeBlock's experts and weighted sum, each routed (token, choice) pair a row of its own:
+// gate_up, SiLU(gate) * up, down, each rounded to T as the eager modules' outputs are; then each
+// token's choices weighted and summed in choice order. Every pair is computed from its token's
+// row and its expert alone, so a token's result does not depend on what else is routed with it.
+template <typename T>
+void moe_run(int64_t isa, const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+             const at::Tensor& gu, const at::Tensor& gu_sm, const at::Tensor& down, const at::Tensor& down_sm,
+             int64_t gu_group, int64_t down_group, int64_t inter, at::Tensor& out) {
+  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = expert_ids.size(1), experts = gu.size(0);
+  const int64_t pairs = tokens * top_k;
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  // pairs grouped by expert (stable: token, then choice order within an expert)
+  std::vector<int64_t> starts(experts + 1, 0), order(pairs), place(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "w4a8_moe: expert id ", ids[p], " out of range");
+    ++starts[ids[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      place[p] = next[ids[p]]++;
+      order[place[p]] = p;
+    }
+  }
+  // the tokens' rows quantized once, then laid out pair by pair in expert order
+  Quantized qt, qp;
+  quantize_rows(x.data_ptr<T>(), tokens, hidden, gu_group, isa, qt);
+  const int64_t blocks = hidden / kBlock, groups = hidden / gu_group;
+  qp.q.resize(pairs * hidden);
+  qp.d.resize(pairs * blocks);
+  qp.sums.resize(pairs * groups);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t token = order[i] / top_k;
+    std::memcpy(qp.q.data() + i * hidden, qt.q.data() + token * hidden, hidden);
+    std::memcpy(qp.d.data() + i * blocks, qt.d.data() + token * blocks, blocks * sizeof(float));
+    std::memcpy(qp.sums.data() + i * groups, qt.sums.data() + token * groups, groups * sizeof(float));
+  }
+  std::vector<float> gate_up(pairs * 2 * inter);
+  experts_projection<T>(isa, gu, gu_sm, starts, qp, hidden, gu_group, 2 * inter, gate_up.data());
+  // SiLU(gate) * up, as F.silu then the product: each rounded to T
+  std::vector<float> activated(pairs * inter);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = gate_up.data() + i * 2 * inter;
+      float* a = activated.data() + i * inter;
+      for (int64_t j = 0; j < inter; ++j) a[j] = rounded<T>(rounded<T>(g[j] / (1.f + std::exp(-g[j]))) * g[inter + j]);
+    }
+  });
+  Quantized qa;
+  quantize_rows(activated.data(), pairs, inter, down_group, isa, qa);
+  std::vector<float> down_out(pairs * hidden);
+  experts_projection<T>(isa, down, down_sm, starts, qa, inter, down_group, hidden, down_out.data());
+  // each token's choices: weighted (rounded to T), summed in choice order in float32, rounded once
+  const T* w = weights.data_ptr<T>();
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t c = 0; c < top_k; ++c) {
+        const float weight = static_cast<float>(w[t * top_k + c]);
+        const float* row = down_out.data() + place[t * top_k + c] * hidden;
+        for (int64_t h = 0; h < hidden; ++h) sum[h] += rounded<T>(row[h] * weight);
+      }
+      for (int64_t h = 0; h < hidden; ++h) y[t * hidden + h] = static_cast<T>(sum[h]);
     }
   });
 }
@@ -349,7 +460,39 @@ at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const 
 
 }  // namespace
 
-// w4a8_linear's schema is declared in Python (w4a8.py), where it exists whether or not this file
+at::Tensor w4a8_moe(const at::Tensor& input, const at::Tensor& expert_ids, const at::Tensor& weights,
+                    const at::Tensor& gu, const at::Tensor& gu_sm, const at::Tensor& down, const at::Tensor& down_sm,
+                    int64_t gu_group, int64_t down_group, int64_t inter) {
+  TORCH_CHECK(input.dim() == 2 && input.device().is_cpu(), "w4a8_moe: x must be a 2-D CPU tensor");
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16, "w4a8_moe: x must be float32 or bfloat16");
+  const at::Tensor x = input.contiguous();
+  const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
+  const at::Tensor w = weights.to(x.scalar_type()).contiguous();
+  const int64_t hidden = x.size(1), experts = gu.size(0);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && w.sizes() == ids.sizes(), "w4a8_moe: expert ids and weights must be [tokens, top_k]");
+  TORCH_CHECK(gu.dim() == 4 && gu.scalar_type() == at::kByte && gu.is_contiguous() && gu.size(2) == hidden / kBlock && gu.size(3) == kTileBlockBytes,
+              "w4a8_moe: bad gate_up weights");
+  TORCH_CHECK(down.dim() == 4 && down.scalar_type() == at::kByte && down.is_contiguous() && down.size(0) == experts && down.size(2) == inter / kBlock,
+              "w4a8_moe: bad down weights");
+  TORCH_CHECK(gu_sm.scalar_type() == at::kFloat && gu_sm.is_contiguous() && gu_sm.dim() == 5 && gu_sm.size(0) == experts && gu_sm.size(2) == hidden / gu_group,
+              "w4a8_moe: bad gate_up scales");
+  TORCH_CHECK(down_sm.scalar_type() == at::kFloat && down_sm.is_contiguous() && down_sm.dim() == 5 && down_sm.size(0) == experts && down_sm.size(2) == inter / down_group,
+              "w4a8_moe: bad down scales");
+  TORCH_CHECK(hidden % gu_group == 0 && gu_group % kBlock == 0 && inter % down_group == 0 && down_group % kBlock == 0,
+              "w4a8_moe: group sizes must be multiples of 32 dividing the inputs");
+  TORCH_CHECK(gu.size(1) * kTile >= 2 * inter && (gu.size(1) - 1) * kTile < 2 * inter && down.size(1) * kTile >= hidden && (down.size(1) - 1) * kTile < hidden,
+              "w4a8_moe: the weights' tiles do not match hidden and intermediate");
+  at::Tensor out = at::empty({x.size(0), hidden}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    moe_run<float>(auto_isa(), x, ids, w, gu, gu_sm, down, down_sm, gu_group, down_group, inter, out);
+  } else {
+    moe_run<c10::BFloat16>(auto_isa(), x, ids, w, gu, gu_sm, down, down_sm, gu_group, down_group, inter, out);
+  }
+  return out;
+}
+
+// The ops' schemas are declared in Python (w4a8.py), where it exists whether or not this file
 // builds: TorchScript resolves the op when it compiles a decode stack that may call it.
 TORCH_LIBRARY_FRAGMENT(nim_cpu, m) {
   m.def("w4a8_isa() -> int", &auto_isa);
@@ -357,4 +500,5 @@ TORCH_LIBRARY_FRAGMENT(nim_cpu, m) {
 
 TORCH_LIBRARY_IMPL(nim_cpu, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w4a8_moe", &w4a8_moe);
 }

@@ -38,6 +38,10 @@ _LIBRARY = torch.library.Library("nim_cpu", "DEF")  # type: ignore[no-untyped-ca
 _LIBRARY.define(  # type: ignore[no-untyped-call]
     "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, int isa=-1) -> Tensor"
 )
+_LIBRARY.define(  # type: ignore[no-untyped-call]
+    "w4a8_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor gate_up_scales, "
+    "Tensor down, Tensor down_scales, int gate_up_group, int down_group, int intermediate) -> Tensor"
+)
 TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # activations per int8 block
 ISA_NAMES = ("portable", "avx2", "avx512_vnni")

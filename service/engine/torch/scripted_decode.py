@@ -89,6 +89,8 @@ def _routed_mlp(
     top_k: int,
     intermediate: int,
     normalize: bool,
+    fused: list[Tensor],  # FusedExperts' four stacked tensors, or empty: one call per expert
+    fused_groups: list[int],
 ) -> Tensor:
     """SparseMoeBlock.forward with Experts.grouped (models/moe.py), op for op: each (token, choice)
     a row, the rows sorted by expert, one matmul per expert with rows.
@@ -104,6 +106,12 @@ def _routed_mlp(
     if normalize:
         chosen = chosen / chosen.sum(dim=-1, keepdim=True)
     chosen = chosen.to(x.dtype)
+    if len(fused) > 0:  # FusedExperts.__call__
+        routed: Tensor = torch.ops.nim_cpu.w4a8_moe(
+            x, expert_ids, chosen, fused[0], fused[1], fused[2], fused[3], fused_groups[0], fused_groups[1],
+            intermediate,
+        )  # fmt: skip
+        return routed
     tokens = x.shape[0]
     if tokens == 1:
         choices: list[int] = expert_ids[0].tolist()
@@ -182,6 +190,9 @@ def _decode_stack(
     top_k: int,
     expert_intermediate: int,
     normalize: bool,  # norm_topk_prob
+    fused: list[Tensor],  # per layer 4 (RoutedMlp.fused; empty tensors where not fused)
+    fused_groups: list[int],  # per layer 2
+    fused_layers: list[bool],
 ) -> Tensor:
     batch = hidden.shape[0]
     width = hidden.shape[1]
@@ -209,9 +220,11 @@ def _decode_stack(
         normed = norms[2 * layer + 1] * torch.rms_norm(residual, [width], None, eps)
         i += 1
         if routed[layer]:
+            layer_fused = fused[4 * layer : 4 * layer + 4] if fused_layers[layer] else []
             hidden = _routed_mlp(
                 normed, i, kinds, weights, auxes, biases, groups, outs, pads,
                 num_experts, top_k, expert_intermediate, normalize,
+                layer_fused, fused_groups[2 * layer : 2 * layer + 2],
             )  # fmt: skip
             continue
         gate_up = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
@@ -276,11 +289,18 @@ class ScriptedDecoder:
             config.rms_norm_eps,
             1.0 / math.sqrt(config.head_dim) if scale is None else scale,  # None: PagedAttention's
         )
+        none = torch.empty(0)
+        fused = [mlp is not None and len(mlp.fused) == 4 for mlp in routed] or [False] * len(layers)
         self._experts = (
             config.num_experts,
             config.num_experts_per_tok,
             config.moe_intermediate_size,
             config.norm_topk_prob,
+            [t for mlp in routed for t in (mlp.fused if mlp is not None and mlp.fused else [none] * 4)]
+            or [none] * 4 * len(layers),
+            [g for mlp in routed for g in (mlp.fused_groups if mlp is not None else (0, 0))]
+            or [0] * 2 * len(layers),
+            fused,
         )
 
     @classmethod
