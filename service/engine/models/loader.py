@@ -38,6 +38,7 @@ from service.engine.models.quant import (
 from service.engine.models.quant_linear import CPU_INT_KERNEL_DTYPE, Int4Linear, Int8Linear
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
+from service.engine.native import w4a8
 from service.engine.precision import FLOAT_PRECISIONS
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.gguf_file import gguf_reader
@@ -356,6 +357,10 @@ def _use_w4a8(model: CausalLM) -> None:
     """Move every native int4 layer to the W4A8 kernel; one that cannot stays on aten's, logged
     once per reason. Routed layers whose experts all moved run them in one call (fuse_w4a8)."""
     assert isinstance(model, nn.Module)
+    problem = w4a8.problem()  # loads the kernel (built on first use) where it can
+    if problem is not None:
+        log.warning("int4 layers stay on aten's int4 kernel: %s", problem)
+        return
     kept: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Int4Linear) and module.native:

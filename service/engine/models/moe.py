@@ -13,7 +13,8 @@ Experts are held stacked as transformers 5 holds them (``mlp.experts.gate_up_pro
 them layer by layer. Quantized experts (int8_wo, int4_wo, fp8: quantized at load expert by expert,
 as the loader quantizes every decoder projection; the router stays float) are held as one
 quantized linear layer per expert and projection, running the dense layers' kernels (native or
-emulated per quant_linear's table), still grouped by expert. nvfp4 experts are refused. There is
+emulated per quant_linear's table), still grouped by expert; on the CPU's W4A8 kernel every expert of
+a layer runs in one call (`FusedExperts`: native/w4a8.cpp's MoE op). nvfp4 experts are refused. There is
 no fused CUDA MoE kernel yet (vLLM's fused_moe is the reference design): on CUDA the experts run
 one matmul per expert that has rows, and under graph capture the float experts are gathered per
 row and quantized ones run every row through every expert.
