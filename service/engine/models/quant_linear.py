@@ -92,7 +92,7 @@ class Int4Linear(QuantLinear):
     # rounded to int8 per block of 32, integer dot products)
     kernel = "aten"
     packed: Tensor  # native: uint8, aten's CPU int4 layout, or W4A8's (w4a8.pack)
-    scales_zeros: Tensor  # native: aten's [K / group, N, 2], or W4A8's float32 scales and mins
+    scales_zeros: Tensor  # native: aten's [K / group, N, 2], or W4A8's float16 scales and mins
     nibbles: Tensor  # emulated: uint8 [N, K / 2], and the format's scales
     scale: Tensor
     zero: Tensor
@@ -141,6 +141,9 @@ class Int4Linear(QuantLinear):
             return values
         n = self.out_features
         scale, zero = (self.scales_zeros[..., i].t().float()[:n] for i in (0, 1))
+        problem = w4a8.scales_problem(scale, zero)
+        if problem is not None:
+            return problem
         self.packed, self.scales_zeros = w4a8.pack(values[:n], scale, zero, self.group_size)
         self.kernel = "w4a8"
         return None

@@ -15,7 +15,8 @@
 // Weight layout (w4a8_pack): tiles of 16 output rows; per tile and block of 32 inputs 256 bytes,
 // 4 x 64: byte j of part p holds row j / 4's input 8p + j % 4 in its low nibble and input
 // 8p + 4 + j % 4 in its high nibble, so one 64-byte load feeds two vpdpbusd over 16 rows (or four
-// vpmaddubsw over 8). Per tile and group: 16 scales, then 16 (zero - 8 * scale), float32.
+// vpmaddubsw over 8). Per tile and group: 16 scales, then 16 (zero - 8 * scale), float16 (a bit a
+// weight at groups of 32, where float32 took two; GGUF's Q4_0/Q4_1 keep theirs exactly).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -110,13 +111,13 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t
 
 // One tile (16 output rows) for one quantized input row, scalar: the reference the SIMD paths
 // follow operation for operation (fmaf where they fuse).
-void tile_scalar(const uint8_t* w, const float* sm, const int8_t* xq, const float* d, const float* sums,
+void tile_scalar(const uint8_t* w, const c10::Half* sm, const int8_t* xq, const float* d, const float* sums,
                  int64_t k, int64_t group, float* acc) {
   const int64_t blocks = k / kBlock, per_group = group / kBlock;
   for (int64_t r = 0; r < kTile; ++r) acc[r] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t g = b / per_group;
-    const float* scale = sm + g * 2 * kTile;
+    const c10::Half* scale = sm + g * 2 * kTile;
     const uint8_t* wb = w + b * kTileBlockBytes;
     const int8_t* xb = xq + b * kBlock;
     for (int64_t r = 0; r < kTile; ++r) {
@@ -128,11 +129,11 @@ void tile_scalar(const uint8_t* w, const float* sm, const int8_t* xq, const floa
           isum += static_cast<int32_t>(byte >> 4) * xb[8 * p + 4 + j];
         }
       }
-      acc[r] = std::fmaf(static_cast<float>(isum), scale[r] * d[b], acc[r]);
+      acc[r] = std::fmaf(static_cast<float>(isum), static_cast<float>(scale[r]) * d[b], acc[r]);
     }
     if ((b + 1) % per_group == 0) {
-      const float* mins = scale + kTile;
-      for (int64_t r = 0; r < kTile; ++r) acc[r] = std::fmaf(mins[r], sums[g], acc[r]);
+      const c10::Half* mins = scale + kTile;
+      for (int64_t r = 0; r < kTile; ++r) acc[r] = std::fmaf(static_cast<float>(mins[r]), sums[g], acc[r]);
     }
   }
 }
@@ -148,14 +149,14 @@ struct Rows {
 
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tile_vnni(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+void tile_vnni(const uint8_t* w, const c10::Half* sm, Rows rows, int64_t k, int64_t group) {
   const int64_t blocks = k / kBlock, per_group = group / kBlock, groups = k / group;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t g = b / per_group;
-    const float* scale = sm + g * 2 * kTile;
+    const c10::Half* scale = sm + g * 2 * kTile;
     const uint8_t* wb = w + b * kTileBlockBytes;
     __m512i lo[4], hi[4];
     for (int p = 0; p < 4; ++p) {
@@ -163,7 +164,7 @@ void tile_vnni(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
       lo[p] = _mm512_and_si512(packed, low);
       hi[p] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
     }
-    const __m512 scales = _mm512_loadu_ps(scale);
+    const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale)));
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = rows.xq + r * k + b * kBlock;
       __m512i isum = _mm512_setzero_si512();
@@ -178,7 +179,7 @@ void tile_vnni(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), factor, acc[r]);
     }
     if ((b + 1) % per_group == 0) {
-      const __m512 mins = _mm512_loadu_ps(scale + kTile);
+      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + kTile)));
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(rows.sums[r * groups + g]), acc[r]);
     }
@@ -186,9 +187,13 @@ void tile_vnni(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.acc + r * kTile, acc[r]);
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline __m256 half8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 template <int R>
-__attribute__((target("avx2,fma")))
-void tile_avx2(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2(const uint8_t* w, const c10::Half* sm, Rows rows, int64_t k, int64_t group) {
   const int64_t blocks = k / kBlock, per_group = group / kBlock, groups = k / group;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -196,7 +201,7 @@ void tile_avx2(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t g = b / per_group;
-    const float* scale = sm + g * 2 * kTile;
+    const c10::Half* scale = sm + g * 2 * kTile;
     const uint8_t* wb = w + b * kTileBlockBytes;
     __m256i isum0[R], isum1[R];
     for (int r = 0; r < R; ++r) isum0[r] = isum1[r] = _mm256_setzero_si256();
@@ -220,14 +225,14 @@ void tile_avx2(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
         isum1[r] = _mm256_add_epi32(isum1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi1, bx1), ones));
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    const __m256 s0 = half8(scale), s1 = half8(scale + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 db = _mm256_set1_ps(rows.d[r * blocks + b]);
       acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum0[r]), _mm256_mul_ps(s0, db), acc0[r]);
       acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum1[r]), _mm256_mul_ps(s1, db), acc1[r]);
     }
     if ((b + 1) % per_group == 0) {
-      const __m256 m0 = _mm256_loadu_ps(scale + kTile), m1 = _mm256_loadu_ps(scale + kTile + 8);
+      const __m256 m0 = half8(scale + kTile), m1 = half8(scale + kTile + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_set1_ps(rows.sums[r * groups + g]);
         acc0[r] = _mm256_fmadd_ps(m0, s, acc0[r]);
@@ -242,7 +247,7 @@ void tile_avx2(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t 
 }
 
 template <int R>
-void tile_portable(const uint8_t* w, const float* sm, Rows rows, int64_t k, int64_t group) {
+void tile_portable(const uint8_t* w, const c10::Half* sm, Rows rows, int64_t k, int64_t group) {
   const int64_t blocks = k / kBlock, groups = k / group;
   for (int r = 0; r < R; ++r)
     tile_scalar(w, sm, rows.xq + r * k, rows.d + r * blocks, rows.sums + r * groups, k, group, rows.acc + r * kTile);
@@ -253,7 +258,7 @@ constexpr int kRows = 4;  // input rows per pass over a tile
 // Runs m_rows quantized rows (row r's values at q + r * k, scales at d + r * k / 32, group sums
 // at sums + r * k / group) over one tile through `Kernel<R>`, kRows at a time, then the rest.
 template <template <int> class Kernel>
-void tile_all_rows(const uint8_t* w, const float* sm, const int8_t* q, const float* d, const float* sums,
+void tile_all_rows(const uint8_t* w, const c10::Half* sm, const int8_t* q, const float* d, const float* sums,
                    int64_t m_rows, int64_t k, int64_t group, float* acc) {
   const int64_t blocks = k / kBlock, groups = k / group;
   int64_t m = 0;
@@ -267,12 +272,12 @@ void tile_all_rows(const uint8_t* w, const float* sm, const int8_t* q, const flo
   }
 }
 
-template <int R> struct Vnni { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_vnni<R>(w, sm, r, k, g); } };
-template <int R> struct Avx2 { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_avx2<R>(w, sm, r, k, g); } };
-template <int R> struct Portable { static void run(const uint8_t* w, const float* sm, Rows r, int64_t k, int64_t g) { tile_portable<R>(w, sm, r, k, g); } };
+template <int R> struct Vnni { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_vnni<R>(w, sm, r, k, g); } };
+template <int R> struct Avx2 { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_avx2<R>(w, sm, r, k, g); } };
+template <int R> struct Portable { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_portable<R>(w, sm, r, k, g); } };
 
 // isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (auto_isa picks: torch's CPU capability and the CPU).
-void tile_rows(int64_t isa, const uint8_t* w, const float* sm, const int8_t* q, const float* d, const float* sums,
+void tile_rows(int64_t isa, const uint8_t* w, const c10::Half* sm, const int8_t* q, const float* d, const float* sums,
                int64_t m_rows, int64_t k, int64_t group, float* acc) {
   if (isa == 2) {
     tile_all_rows<Vnni>(w, sm, q, d, sums, m_rows, k, group, acc);
@@ -294,7 +299,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, in
   Quantized qx;
   quantize_rows(x.data_ptr<T>(), m_rows, k, group, isa, qx);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = sm.data_ptr<float>();
+  const c10::Half* s = sm.data_ptr<c10::Half>();
   T* y = out.data_ptr<T>();
   const int64_t tile_bytes = k * kTile / 2;
   const int64_t grain = std::max<int64_t>(1, kBytesPerThread / tile_bytes);
@@ -302,7 +307,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, in
     std::vector<float> acc(m_rows * kTile);
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = w + t * (k / kBlock) * kTileBlockBytes;
-      const float* st = s + t * groups * 2 * kTile;
+      const c10::Half* st = s + t * groups * 2 * kTile;
       tile_rows(isa, wt, st, qx.q.data(), qx.d.data(), qx.sums.data(), m_rows, k, group, acc.data());
       const int64_t rows = std::min(kTile, n - t * kTile);
       for (int64_t m = 0; m < m_rows; ++m) {
@@ -333,7 +338,7 @@ void experts_projection(int64_t isa, const at::Tensor& packed, const at::Tensor&
     if (starts[e + 1] > starts[e])
       for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = sm.data_ptr<float>();
+  const c10::Half* s = sm.data_ptr<c10::Half>();
   const int64_t grain = std::max<int64_t>(1, kBytesPerThread / (k * kTile / 2));
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc;
@@ -341,7 +346,7 @@ void experts_projection(int64_t isa, const at::Tensor& packed, const at::Tensor&
       const int64_t e = items[i] / tiles, t = items[i] % tiles, first = starts[e], rows = starts[e + 1] - first;
       acc.resize(rows * kTile);
       const uint8_t* wt = w + (e * tiles + t) * blocks * kTileBlockBytes;
-      const float* st = s + (e * tiles + t) * groups * 2 * kTile;
+      const c10::Half* st = s + (e * tiles + t) * groups * 2 * kTile;
       tile_rows(isa, wt, st, qx.q.data() + first * k, qx.d.data() + first * blocks, qx.sums.data() + first * groups,
                 rows, k, group, acc.data());
       const int64_t columns = std::min(kTile, n - t * kTile);
@@ -428,7 +433,8 @@ int64_t auto_isa() {
     const std::string capability = at::get_cpu_capability();
     const bool avx512 = capability.rfind("AVX512", 0) == 0, avx2 = avx512 || capability == "AVX2";
     if (avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) return int64_t{2};
-    if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int64_t{1};
+    if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return int64_t{1};
     return int64_t{0};
   }();
   return chosen;
@@ -440,7 +446,7 @@ at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const 
   const at::Tensor x = input.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w4a8_linear: x must be float32 or bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(), "w4a8_linear: bad packed weight");
-  TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.dim() == 4 && sm.is_contiguous(), "w4a8_linear: bad scales");
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.dim() == 4 && sm.is_contiguous(), "w4a8_linear: bad scales");
   const int64_t k = x.size(1), tiles = packed.size(0);
   TORCH_CHECK(k % group == 0 && group % kBlock == 0, "w4a8_linear: group size must be a multiple of 32 dividing K");
   TORCH_CHECK(packed.size(1) == k / kBlock && packed.size(2) == kTileBlockBytes, "w4a8_linear: packed weight does not match K");
@@ -474,9 +480,9 @@ at::Tensor w4a8_moe(const at::Tensor& input, const at::Tensor& expert_ids, const
               "w4a8_moe: bad gate_up weights");
   TORCH_CHECK(down.dim() == 4 && down.scalar_type() == at::kByte && down.is_contiguous() && down.size(0) == experts && down.size(2) == inter / kBlock,
               "w4a8_moe: bad down weights");
-  TORCH_CHECK(gu_sm.scalar_type() == at::kFloat && gu_sm.is_contiguous() && gu_sm.dim() == 5 && gu_sm.size(0) == experts && gu_sm.size(2) == hidden / gu_group,
+  TORCH_CHECK(gu_sm.scalar_type() == at::kHalf && gu_sm.is_contiguous() && gu_sm.dim() == 5 && gu_sm.size(0) == experts && gu_sm.size(2) == hidden / gu_group,
               "w4a8_moe: bad gate_up scales");
-  TORCH_CHECK(down_sm.scalar_type() == at::kFloat && down_sm.is_contiguous() && down_sm.dim() == 5 && down_sm.size(0) == experts && down_sm.size(2) == inter / down_group,
+  TORCH_CHECK(down_sm.scalar_type() == at::kHalf && down_sm.is_contiguous() && down_sm.dim() == 5 && down_sm.size(0) == experts && down_sm.size(2) == inter / down_group,
               "w4a8_moe: bad down scales");
   TORCH_CHECK(hidden % gu_group == 0 && gu_group % kBlock == 0 && inter % down_group == 0 && down_group % kBlock == 0,
               "w4a8_moe: group sizes must be multiples of 32 dividing the inputs");

@@ -101,8 +101,9 @@ def problem() -> str | None:
 
 def pack(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Int4Weight's fields (q uint8 [N, K] in 0..15, scale and zero float32 [N, K / group]) in the
-    kernel's layout (w4a8.cpp): (uint8 [N / 16, K / 32, 256], float32 [N / 16, K / group, 2, 16]),
-    N padded to whole tiles with rows whose every term is zero."""
+    kernel's layout (w4a8.cpp): (uint8 [N / 16, K / 32, 256], float16 [N / 16, K / group, 2, 16]:
+    each group's scale and zero - 8 * scale), N padded to whole tiles with rows whose every term is
+    zero. `scales_problem` says whether float16 holds the scales."""
     n, k = q.shape
     if k % BLOCK or group % BLOCK or k % group:
         raise ValueError(f"W4A8 needs K ({k}) and the group size ({group}) in whole blocks of {BLOCK}")
@@ -117,7 +118,20 @@ def pack(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> tuple[Tensor, Te
     packed = (parts[..., 0] | (parts[..., 1] << 4)).contiguous().view(tiles, k // BLOCK, 8 * BLOCK)
     mins = zero - 8.0 * scale
     sm = torch.stack([scale, mins]).view(2, tiles, TILE, k // group).permute(1, 3, 0, 2).contiguous()
-    return packed, sm.float()
+    return packed, sm.half()
+
+
+def scales_problem(scale: Tensor, zero: Tensor) -> str | None:
+    """None where float16 holds a weight's groups to 2**-10 of their range (16 steps): each scale
+    to a relative 2**-10, each zero - 8 * scale to 2**-10 of 16 * scale; else why not (scales
+    too small or too large for float16)."""
+    scale, mins = scale.float(), (zero - 8.0 * scale).float()
+    bound = 2.0**-10 * scale.abs()
+    if not (((scale.half().float() - scale).abs() <= bound).all() and
+            ((mins.half().float() - mins).abs() <= 16 * bound).all()):  # fmt: skip
+        smallest, largest = float(scale.abs().min()), float(scale.abs().max())
+        return f"its scales (from {smallest:.3g} to {largest:.3g}) are beyond float16"
+    return None
 
 
 def dequantize(packed: Tensor, sm: Tensor, out_features: int, group: int) -> Tensor:
@@ -129,7 +143,7 @@ def dequantize(packed: Tensor, sm: Tensor, out_features: int, group: int) -> Ten
     q = torch.stack([parts & 0x0F, parts >> 4], dim=-2)  # [tile, block, part, row, half, j]
     q = q.permute(0, 3, 1, 2, 4, 5).reshape(tiles * TILE, k).float()
     scale, mins = (sm[:, :, i].permute(0, 2, 1).reshape(tiles * TILE, k // group) for i in (0, 1))
-    weight = q.view(-1, k // group, group) * scale[..., None] + mins[..., None]
+    weight = q.view(-1, k // group, group) * scale[..., None].float() + mins[..., None].float()
     return weight.view(-1, k)[:out_features]
 
 
