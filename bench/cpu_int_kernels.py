@@ -14,7 +14,9 @@ integer matmul alone (its calls as the layer makes them: chunks of inputs, each 
 outliers' row); the head
 table's int8 lookups (2,048 ids: a prompt chunk); and oneDNN's int8 matmul with signed inputs at
 one row (3 calls: the path W8A8Linear avoids, a reference loop off AMX, e.g. under
-ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI).
+ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI); and the W4A8 kernel (service/engine/native/w4a8.cpp: int4
+weights, inputs rounded to int8 per block of 32, integer sums; NIM_CPU_INT4_KERNEL=auto) where it
+builds, with each input dtype (it takes both as they come).
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear
 from service.engine.models.quant import Int8Weight
 from service.engine.models.w8a8 import CHUNK_ROWS, W8A8Linear, w8a8_problem
+from service.engine.native import w4a8
 
 INT8_MM = torch.ops.aten._weight_int8pack_mm
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -68,6 +71,10 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (n, k), dtype=torch.int32), 1
     )
+    w4a8_layer = w4a8.pack(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01 + 1e-3,
+        torch.zeros(n, k // 32), 32,
+    )  # fmt: skip
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
         name = "fp32" if dtype == torch.float32 else "bf16"
@@ -76,6 +83,8 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
         result[f"float_{name}"] = median_ms(lambda x=x, w=w: F.linear(x, w), reps)
         result[f"int8_{name}_inputs"] = median_ms(lambda x=x, s=scale8: INT8_MM(x, q8, s), reps)
         result[f"int4_{name}_inputs"] = median_ms(lambda x=x, s=scales4: INT4_MM(x, packed4, 32, s), reps)
+        if w4a8.problem() is None:  # the W4A8 kernel, inputs rounded to int8 per block of 32
+            result[f"w4a8_{name}_inputs"] = median_ms(lambda x=x: w4a8.linear(x, *w4a8_layer, 32, n), reps)
     x = torch.randn(rows, k)
     packed = PackedLinear(weight, None)
     packed.pad_small = packed.needs_padding()
@@ -136,6 +145,7 @@ def main() -> None:
         "head_signed_inputs_1_row_ms": signed_inputs(n, k, 1, 3),
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "w4a8": w4a8.problem() or w4a8.isa(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "ms": results,
