@@ -7,9 +7,9 @@
 - a row's outputs do not depend on the batch: any size, any place, rows split 4 at a time or not;
 - a NaN input makes only its own row NaN; zero rows give zeros;
 - `pack` / `dequantize` hold Int4Weight's values and scales;
-- an int4 layer moved to it (`use_w4a8`) computes what the kernel computes on the same weights,
-  its dense prompt-row copy is that weight, and a layer whose inputs are not whole blocks stays on
-  aten's kernel;
+- an int4 layer made for it (`int4_layers_on("w4a8")`) computes what the kernel computes on the
+  weight's own scales, its dense prompt-row copy is that weight, and a layer whose inputs are not
+  whole blocks, or whose scales float16 cannot hold, stays on aten's kernel;
 - the MoE op (w4a8_moe, moe.FusedExperts) is each token's experts weighted and summed, as the
   per-expert layers compute them, and a token's output does not depend on the others routed with
   it (tests/test_scripted_decode.py runs it in a model, scripted and eager);
@@ -32,7 +32,7 @@ from service.engine.models.base import BuildOptions
 from service.engine.models.loader import build_model, load_gguf, load_hf_dir
 from service.engine.models.moe import FusedExperts
 from service.engine.models.quant import Int4Weight
-from service.engine.models.quant_linear import Int4Linear
+from service.engine.models.quant_linear import Int4Linear, int4_layers_on
 from service.engine.native import w4a8
 from service.engine.torch import int4_kernel
 from service.store.model_store import embedded_model_path
@@ -147,8 +147,12 @@ def test_scales_float16_cannot_hold_keep_a_layer_on_atens_kernel() -> None:
     assert "beyond float16" in (w4a8.scales_problem(tiny, weight.zero * 1e-4) or "")
     assert "beyond float16" in (w4a8.scales_problem(weight.scale * 1e7, weight.zero) or "")  # past 65504
     small = Int4Weight(weight.q, tiny, weight.zero * 1e-4, 64)
-    layer = Int4Linear(small, None, torch.float32, torch.device("cpu"))
-    assert "beyond float16" in (layer.use_w4a8() or "") and layer.kernel == "aten"
+    with int4_layers_on("w4a8"):
+        layer = Int4Linear(small, None, torch.float32, torch.device("cpu"))
+    assert "beyond float16" in (layer.w4a8_problem or "") and layer.kernel == "aten"
+    # a constant group (quantization clamps its scale to ~1e-38) and an all-zero one are held
+    flat = Int4Weight.quantize(torch.cat([torch.zeros(8, 64), torch.full((8, 64), 0.3)], 1), 64)
+    assert float(flat.scale.min()) < 1e-30 and w4a8.scales_problem(flat.scale, flat.zero) is None
 
 
 def test_the_shapes_it_is_given_are_checked() -> None:
@@ -162,40 +166,39 @@ def test_the_shapes_it_is_given_are_checked() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_int4_layer_moved_to_w4a8_computes_the_kernel_on_its_weights(dtype: torch.dtype) -> None:
-    weight, _, _ = _layer(128, 256, 64, seed=3)  # aten's layout unpacks in blocks of 32 or 64 rows
-    layer = Int4Linear(weight, None, dtype, torch.device("cpu"))
-    assert layer.native and layer.kernel == "aten"
+def test_an_int4_layer_made_for_w4a8_runs_the_kernel_on_the_weights_own_scales(dtype: torch.dtype) -> None:
+    weight, packed, sm = _layer(100, 256, 64, seed=3)  # a partial tile
+    with int4_layers_on("w4a8"):
+        layer = Int4Linear(weight, None, dtype, torch.device("cpu"))
+    aten = Int4Linear(weight, None, dtype, torch.device("cpu"))
+    assert layer.native and layer.kernel == "w4a8" and layer.w4a8_problem is None and aten.kernel == "aten"
     x = _inputs(6, 256).to(dtype)
-    before = layer(x)
-    assert layer.use_w4a8() is None and layer.kernel == "w4a8"
-    after = layer(x)
-    assert after.dtype == dtype and after.shape == (6, 128)
-    # the same values and scales as aten's layout held (rounded to the activation dtype there)
-    scale, zero = (weight.scale.to(dtype).float(), weight.zero.to(dtype).float())
-    packed, sm = w4a8.pack(weight.q, scale, zero, 64)
-    assert torch.equal(after, w4a8.linear(x, packed, sm, 64, 128))
-    relative = ((after.double() - before.double()).abs().amax(-1) / before.double().abs().amax(-1)).max()
-    assert relative < 3e-2  # the activations' int8 steps (and, in bf16, aten's rounding)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (6, 100)
+    # the weight's float32 scales in float16, not rounded through the activation dtype first
+    assert torch.equal(layer.scales_zeros, sm) and torch.equal(out, w4a8.linear(x, packed, sm, 64, 100))
+    expected = aten(x).double()
+    assert ((out.double() - expected).abs().amax(-1) / expected.abs().amax(-1)).max() < 3e-2
 
 
 def test_the_dense_prompt_copy_of_a_w4a8_layer_is_its_weight() -> None:
     weight, _, _ = _layer(64, 128, 64, seed=4)
-    layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
-    assert layer.use_w4a8() is None
-    if layer.attach_dense() is None:
-        assert layer.dense is not None
-        expected = w4a8.dequantize(layer.packed, layer.scales_zeros, 64, 64).to(torch.bfloat16)
-        columns = layer.dense.matmul(torch.eye(128, dtype=torch.bfloat16)[:64])
-        assert torch.equal(columns, expected[:, :64].t())
+    with int4_layers_on("w4a8"):
+        layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
+    assert layer.kernel == "w4a8" and layer.attach_dense() is None and layer.dense is not None
+    expected = w4a8.dequantize(layer.packed, layer.scales_zeros, 64, 64).to(torch.bfloat16)
+    columns = layer.dense.matmul(torch.eye(128, dtype=torch.bfloat16)[:64])
+    assert torch.equal(columns, expected[:, :64].t())
 
 
 def test_a_layer_whose_inputs_are_not_whole_blocks_stays_on_atens_kernel() -> None:
-    weight, _, _ = _layer(64, 96, 32)
-    layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
-    layer.in_features = 80  # as a layer of 80 inputs would be: not whole blocks of 32
-    assert "not whole blocks of 32" in (layer.use_w4a8() or "")
-    assert layer.kernel == "aten"
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (32, 48), generator=generator, dtype=torch.uint8)
+    # group 16 is no int4_wo group size: the guard must refuse it rather than misread the layout
+    weight = Int4Weight(q, torch.rand(32, 3) + 0.01, torch.zeros(32, 3), 16)
+    with int4_layers_on("w4a8"):
+        layer = Int4Linear(weight, None, torch.bfloat16, torch.device("cpu"))
+    assert "not whole blocks of 32" in (layer.w4a8_problem or "") and layer.kernel == "aten"
 
 
 def test_the_setting_and_the_start_up_check_decide_the_kernel(

@@ -35,7 +35,7 @@ from service.engine.models.quant import (
     gguf_q4_1,
     quantize,
 )
-from service.engine.models.quant_linear import CPU_INT_KERNEL_DTYPE, Int4Linear, Int8Linear
+from service.engine.models.quant_linear import CPU_INT_KERNEL_DTYPE, Int4Linear, Int8Linear, int4_layers_on
 from service.engine.models.registry import model_class
 from service.engine.models.tensor_parallel import TPLayout, pad_rows
 from service.engine.native import w4a8
@@ -338,9 +338,11 @@ def build_model(
     with torch.device("meta"):
         model = model_class(config.architecture)(config, options)
     model = model.to(dtype=dtype)
-    model.load_weights(weights, device=device)
-    if options.int4_kernel == "w4a8":
-        _use_w4a8(model)
+    kernel = _w4a8_kernel(options.int4_kernel)
+    with int4_layers_on(kernel):
+        model.load_weights(weights, device=device)
+    if kernel == "w4a8":
+        _after_w4a8(model)
     if options.int_kernels_in_bf16:
         assert isinstance(model, nn.Module)
         for module in model.modules():
@@ -353,24 +355,33 @@ def build_model(
     return model
 
 
-def _use_w4a8(model: CausalLM) -> None:
-    """Move every native int4 layer to the W4A8 kernel; one that cannot stays on aten's, logged
-    once per reason. Routed layers whose experts all moved run them in one call (fuse_w4a8)."""
-    assert isinstance(model, nn.Module)
-    problem = w4a8.problem()  # loads the kernel (built on first use) where it can
+def _w4a8_kernel(requested: str) -> str:
+    """The int4 kernel a build asking for `requested` gets: W4A8 only where it is loaded (built on
+    first use), else aten's, logged."""
+    if requested != "w4a8":
+        return "aten"
+    problem = w4a8.problem()
     if problem is not None:
         log.warning("int4 layers stay on aten's int4 kernel: %s", problem)
-        return
+        return "aten"
+    return "w4a8"
+
+
+def _after_w4a8(model: CausalLM) -> None:
+    """Log the int4 layers that stayed on aten's kernel (once per reason), and run each routed
+    layer whose experts are all on W4A8 in one call (Experts.fuse_w4a8)."""
+    assert isinstance(model, nn.Module)
     kept: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, Int4Linear) and module.native:
-            why = module.use_w4a8()
-            if why is not None:
-                kept[why] = kept.get(why, 0) + 1
+        if isinstance(module, Int4Linear) and module.w4a8_problem is not None:
+            kept[module.w4a8_problem] = kept.get(module.w4a8_problem, 0) + 1
     for why, count in kept.items():
         log.warning("%d int4 layers stay on aten's int4 kernel: %s", count, why)
+    unfused: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Experts) and module.gate_up_layers is not None:
-            why = module.fuse_w4a8()
-            if why is not None:
-                log.warning("a routed layer's experts run one kernel call each: %s", why)
+            reason = module.fuse_w4a8()
+            if reason is not None:
+                unfused[reason] = unfused.get(reason, 0) + 1
+    for why, count in unfused.items():
+        log.warning("%d routed layers run their experts one kernel call each: %s", count, why)

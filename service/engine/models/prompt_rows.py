@@ -39,7 +39,7 @@ from service.engine.models.cpu_linear import order_sensitive_rows
 
 # aten's CPU int4 layout packs output rows in blocks of 64 (its AVX-512 kernel) or 32 (AVX2).
 PACK_BLOCKS = (64, 32)
-UNPACK_ROWS = 512  # output rows dequantized at a time
+UNPACK_ROWS = 512  # output rows dequantized at a time (a multiple of each block)
 TILE = 64  # rows of every dense call: one shape, so one blocking for every row (see above)
 # Positions in a tile the probe puts the same row at (among different other rows).
 PROBED_POSITIONS = (0, 1, 7, 31, 63)
@@ -107,10 +107,13 @@ def unpack_int4(packed: Tensor, out_features: int, in_features: int, block: int)
     return values.permute(0, 2, 1).reshape(out_features, in_features)
 
 
-def int4_values(packed: Tensor, scales_zeros: Tensor, group: int, in_features: int) -> Tensor | str:
-    """aten's packed int4 weight as its uint8 values [N (as packed), K], or why not: each known
-    layout (PACK_BLOCKS) is unpacked and checked against the kernel on one input column of every
-    group (one-hot rows give W.T); the first that matches is taken."""
+def dense_int4(
+    packed: Tensor, scales_zeros: Tensor, group: int, out_features: int, in_features: int
+) -> Tensor | str:
+    """The int4 kernel's weight as bf16 [N, K] ((q - 8) * scale + zero, rounded once), or why not:
+    each known layout is checked against the kernel on one input column of every group (one-hot
+    rows give W.T), and the first that matches is taken. Built UNPACK_ROWS output rows at a time,
+    so its float32 temporaries stay small beside the result."""
     rows = packed.shape[0]  # the output rows as packed (padded to the kernel's multiple)
     if packed.shape[1] * 2 != in_features:
         return f"its packed shape {tuple(packed.shape)} is not [N, K / 2]"
@@ -118,38 +121,20 @@ def int4_values(packed: Tensor, scales_zeros: Tensor, group: int, in_features: i
     one_hot = torch.zeros(len(columns), in_features, dtype=scales_zeros.dtype)
     one_hot[torch.arange(len(columns)), columns] = 1
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(one_hot, packed, group, scales_zeros)
-    scale = scales_zeros[..., 0].t().float()[:, columns // group]  # [N, columns]
-    zero = scales_zeros[..., 1].t().float()[:, columns // group]
     for block in PACK_BLOCKS:
         if rows % block:
             continue
-        values = unpack_int4(packed, rows, in_features, block)
-        probed = torch.addcmul(zero, values[:, columns].float() - 8, scale).t()
-        if kernel.dtype == torch.bfloat16 and torch.equal(kernel, probed.to(torch.bfloat16)):
-            return values
-        if kernel.dtype == torch.float32 and torch.allclose(kernel, probed, rtol=1e-5, atol=1e-6):
-            return values  # float32 scales: the kernel may fuse the multiply-add
+        weight = torch.empty(rows, in_features, dtype=torch.bfloat16)
+        for start in range(0, rows, UNPACK_ROWS):  # a multiple of every block: whole blocks
+            end = min(start + UNPACK_ROWS, rows)
+            chunk = scales_zeros[:, start:end]  # [K / group, n, 2]
+            scale = chunk[..., 0].t().float().repeat_interleave(group, dim=1)
+            zero = chunk[..., 1].t().float().repeat_interleave(group, dim=1)
+            values = unpack_int4(packed[start:end], end - start, in_features, block).float()
+            weight[start:end] = torch.addcmul(zero, values - 8, scale)
+        if torch.equal(kernel.to(torch.bfloat16), weight[:, columns].t()):
+            return weight[:out_features]
     return f"its packed layout ({rows} rows) is none this unpacks to the kernel's weights"
-
-
-def dense_int4(
-    packed: Tensor, scales_zeros: Tensor, group: int, out_features: int, in_features: int
-) -> Tensor | str:
-    """The int4 kernel's weight as bf16 [N, K] ((q - 8) * scale + zero, rounded once), or why not
-    (`int4_values`). Built UNPACK_ROWS output rows at a time, so its float32 temporaries stay
-    small beside the result."""
-    values = int4_values(packed, scales_zeros, group, in_features)
-    if isinstance(values, str):
-        return values
-    rows = packed.shape[0]
-    weight = torch.empty(rows, in_features, dtype=torch.bfloat16)
-    for start in range(0, rows, UNPACK_ROWS):
-        end = min(start + UNPACK_ROWS, rows)
-        chunk = scales_zeros[:, start:end]  # [K / group, n, 2]
-        scale = chunk[..., 0].t().float().repeat_interleave(group, dim=1)
-        zero = chunk[..., 1].t().float().repeat_interleave(group, dim=1)
-        weight[start:end] = torch.addcmul(zero, values[start:end].float() - 8, scale)
-    return weight[:out_features]
 
 
 def tile_problem(in_features: int, out_features: int) -> str | None:

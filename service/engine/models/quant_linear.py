@@ -21,6 +21,9 @@ and which kernel is native where; selection and these layers both read them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -85,12 +88,30 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.precision} {mode}"
 
 
+# The kernel native int4 layers are built for while it is set (`int4_layers_on`): "aten" (the
+# default) or "w4a8". loader.build_model sets it around a model's load (BuildOptions.int4_kernel).
+_INT4_KERNEL: ContextVar[str] = ContextVar("int4_kernel", default="aten")
+
+
+@contextmanager
+def int4_layers_on(kernel: str) -> Iterator[None]:
+    """Native int4 layers made inside run `kernel` ("aten" or "w4a8": the W4A8 kernel must be
+    loaded, native/w4a8.py's problem() None)."""
+    token = _INT4_KERNEL.set(kernel)
+    try:
+        yield
+    finally:
+        _INT4_KERNEL.reset(token)
+
+
 class Int4Linear(QuantLinear):
     precision = "int4_wo"
-    # native: "aten", aten's CPU int4 kernel (activations in bf16 or float32), or "w4a8" once
-    # use_w4a8 has moved the weight to the W4A8 kernel's layout (native/w4a8.py: activations
-    # rounded to int8 per block of 32, integer dot products)
+    # native: "aten", aten's CPU int4 kernel (activations in bf16 or float32), or "w4a8": the W4A8
+    # kernel (native/w4a8.py: activations rounded to int8 per block of 32, integer dot products),
+    # where the layer was made under int4_layers_on("w4a8") and its weight suits it (else
+    # `w4a8_problem` says why not)
     kernel = "aten"
+    w4a8_problem: str | None = None
     packed: Tensor  # native: uint8, aten's CPU int4 layout, or W4A8's (w4a8.pack)
     scales_zeros: Tensor  # native: aten's [K / group, N, 2], or W4A8's float16 scales and mins
     nibbles: Tensor  # emulated: uint8 [N, K / 2], and the format's scales
@@ -104,6 +125,14 @@ class Int4Linear(QuantLinear):
         super().__init__(weight.shape, bias, dtype)
         self.group_size = weight.group_size
         self.native = precision_mode(self.precision, device) == "native"
+        if self.native and _INT4_KERNEL.get() == "w4a8":
+            self.w4a8_problem = self._w4a8_problem(weight)
+            if self.w4a8_problem is None:  # the file's scales as they are (float32 -> float16)
+                packed, sm = w4a8.pack(weight.q, weight.scale, weight.zero, self.group_size)
+                self.register_buffer("packed", packed.to(device))
+                self.register_buffer("scales_zeros", sm.to(device))
+                self.kernel = "w4a8"
+                return
         if self.native:
             n, k = weight.shape
             rows = -(-n // INT4_CPU_ROW_MULTIPLE) * INT4_CPU_ROW_MULTIPLE
@@ -129,24 +158,13 @@ class Int4Linear(QuantLinear):
         if self.native and self.kernel == "aten":
             self.scales_zeros = self.scales_zeros.to(dtype)
 
-    def use_w4a8(self) -> str | None:
-        """Hold the weight in the W4A8 kernel's layout instead of aten's, the same values and
-        scales (native/w4a8.py; its kernel must be loaded); None, or why it stays on aten's."""
-        assert self.native and self.kernel == "aten", "W4A8: from a native int4 layer on aten's kernel"
-        if self.in_features % w4a8.BLOCK or self.group_size % w4a8.BLOCK:
-            blocks = f"{self.in_features} inputs in groups of {self.group_size}"
-            return f"{blocks} are not whole blocks of {w4a8.BLOCK}"
-        values = prompt_rows.int4_values(self.packed, self.scales_zeros, self.group_size, self.in_features)
-        if isinstance(values, str):
-            return values
-        n = self.out_features
-        scale, zero = (self.scales_zeros[..., i].t().float()[:n] for i in (0, 1))
-        problem = w4a8.scales_problem(scale, zero)
-        if problem is not None:
-            return problem
-        self.packed, self.scales_zeros = w4a8.pack(values[:n], scale, zero, self.group_size)
-        self.kernel = "w4a8"
-        return None
+    @staticmethod
+    def _w4a8_problem(weight: Int4Weight) -> str | None:
+        """Why `weight` cannot run on the W4A8 kernel, or None."""
+        k, group = weight.shape[1], weight.group_size
+        if k % w4a8.BLOCK or group % w4a8.BLOCK:
+            return f"{k} inputs in groups of {group} are not whole blocks of {w4a8.BLOCK}"
+        return w4a8.scales_problem(weight.scale, weight.zero)
 
     def attach_dense(self) -> str | None:
         """Hold the weight dequantized to bf16 as well, for a step's prompt rows (prompt_rows);

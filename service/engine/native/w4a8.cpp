@@ -4,9 +4,10 @@
 // (Int4Weight, group g = k / group_size) and x quantized per block of 32 inputs:
 // x[m, k] ~ d[m, b] * xq[m, k], xq in [-127, 127], d = max|x| / 127 over the block.
 // Then, per block b of group g:
-//   sum_k x * w ~ scale[n, g] * d[m, b] * sum_k q * xq  +  (zero - 8 * scale)[n, g] * sum_k x
+//   sum_k x * w ~ scale[n, g] * d[m, b] * sum_k q * xq  +  (zero - 8 * scale)[n, g] * d[m, b] * sum_k xq
 // The integer sums are exact (u8 nibbles times s8: VNNI's vpdpbusd, or AVX2's vpmaddubsw, whose
-// 16-bit pair sums cannot saturate at 2 * 15 * 127); the zero term takes the exact float sum of x.
+// 16-bit pair sums cannot saturate at 2 * 15 * 127): the output is the dequantized weight times
+// the rounded inputs, in float32 (w4a8.py's `reference`).
 //
 // Invariant: a row's outputs depend only on that row and the weights, computed in the same order
 // whatever the number of rows or threads (threads split output tiles, never a sum), so a decode
@@ -16,7 +17,7 @@
 // 4 x 64: byte j of part p holds row j / 4's input 8p + j % 4 in its low nibble and input
 // 8p + 4 + j % 4 in its high nibble, so one 64-byte load feeds two vpdpbusd over 16 rows (or four
 // vpmaddubsw over 8). Per tile and group: 16 scales, then 16 (zero - 8 * scale), float16 (a bit a
-// weight at groups of 32, where float32 took two; GGUF's Q4_0/Q4_1 keep theirs exactly).
+// weight at groups of 32, where float32 took two).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -445,10 +446,11 @@ at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const 
   TORCH_CHECK(input.dim() == 2 && input.device().is_cpu(), "w4a8_linear: x must be a 2-D CPU tensor");
   const at::Tensor x = input.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w4a8_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(), "w4a8_linear: bad packed weight");
-  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.dim() == 4 && sm.is_contiguous(), "w4a8_linear: bad scales");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() && packed.device().is_cpu(),
+              "w4a8_linear: bad packed weight");
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.dim() == 4 && sm.is_contiguous() && sm.device().is_cpu(), "w4a8_linear: bad scales");
   const int64_t k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k % group == 0 && group % kBlock == 0, "w4a8_linear: group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(group > 0 && k % group == 0 && group % kBlock == 0, "w4a8_linear: group size must be a multiple of 32 dividing K");
   TORCH_CHECK(packed.size(1) == k / kBlock && packed.size(2) == kTileBlockBytes, "w4a8_linear: packed weight does not match K");
   TORCH_CHECK(sm.size(0) == tiles && sm.size(1) == k / group && sm.size(2) == 2 && sm.size(3) == kTile, "w4a8_linear: scales do not match");
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "w4a8_linear: out_features does not match the tiles");
@@ -464,8 +466,6 @@ at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const 
   return out;
 }
 
-}  // namespace
-
 at::Tensor w4a8_moe(const at::Tensor& input, const at::Tensor& expert_ids, const at::Tensor& weights,
                     const at::Tensor& gu, const at::Tensor& gu_sm, const at::Tensor& down, const at::Tensor& down_sm,
                     int64_t gu_group, int64_t down_group, int64_t inter) {
@@ -474,20 +474,21 @@ at::Tensor w4a8_moe(const at::Tensor& input, const at::Tensor& expert_ids, const
   const at::Tensor x = input.contiguous();
   const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
   const at::Tensor w = weights.to(x.scalar_type()).contiguous();
-  const int64_t hidden = x.size(1), experts = gu.size(0);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && w.sizes() == ids.sizes(), "w4a8_moe: expert ids and weights must be [tokens, top_k]");
-  TORCH_CHECK(gu.dim() == 4 && gu.scalar_type() == at::kByte && gu.is_contiguous() && gu.size(2) == hidden / kBlock && gu.size(3) == kTileBlockBytes,
-              "w4a8_moe: bad gate_up weights");
-  TORCH_CHECK(down.dim() == 4 && down.scalar_type() == at::kByte && down.is_contiguous() && down.size(0) == experts && down.size(2) == inter / kBlock,
-              "w4a8_moe: bad down weights");
-  TORCH_CHECK(gu_sm.scalar_type() == at::kHalf && gu_sm.is_contiguous() && gu_sm.dim() == 5 && gu_sm.size(0) == experts && gu_sm.size(2) == hidden / gu_group,
-              "w4a8_moe: bad gate_up scales");
-  TORCH_CHECK(down_sm.scalar_type() == at::kHalf && down_sm.is_contiguous() && down_sm.dim() == 5 && down_sm.size(0) == experts && down_sm.size(2) == inter / down_group,
-              "w4a8_moe: bad down scales");
+  const int64_t hidden = x.size(1);
+  TORCH_CHECK(gu_group > 0 && down_group > 0 && inter > 0, "w4a8_moe: group sizes and the intermediate size must be positive");
   TORCH_CHECK(hidden % gu_group == 0 && gu_group % kBlock == 0 && inter % down_group == 0 && down_group % kBlock == 0,
               "w4a8_moe: group sizes must be multiples of 32 dividing the inputs");
-  TORCH_CHECK(gu.size(1) * kTile >= 2 * inter && (gu.size(1) - 1) * kTile < 2 * inter && down.size(1) * kTile >= hidden && (down.size(1) - 1) * kTile < hidden,
-              "w4a8_moe: the weights' tiles do not match hidden and intermediate");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && w.sizes() == ids.sizes(), "w4a8_moe: expert ids and weights must be [tokens, top_k]");
+  TORCH_CHECK(gu.dim() == 4 && down.dim() == 4, "w4a8_moe: the weights must be [experts, tiles, blocks, 256]");
+  const int64_t experts = gu.size(0), gu_tiles = (2 * inter + kTile - 1) / kTile, down_tiles = (hidden + kTile - 1) / kTile;
+  const auto expect = [](const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* what) {
+    TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape,
+                "w4a8_moe: ", what, " must be contiguous ", dtype, " ", shape, ", got ", t.scalar_type(), " ", t.sizes());
+  };
+  expect(gu, at::kByte, {experts, gu_tiles, hidden / kBlock, kTileBlockBytes}, "gate_up");
+  expect(gu_sm, at::kHalf, {experts, gu_tiles, hidden / gu_group, 2, kTile}, "gate_up scales");
+  expect(down, at::kByte, {experts, down_tiles, inter / kBlock, kTileBlockBytes}, "down");
+  expect(down_sm, at::kHalf, {experts, down_tiles, inter / down_group, 2, kTile}, "down scales");
   at::Tensor out = at::empty({x.size(0), hidden}, x.options());
   if (x.size(0) == 0) return out;
   if (x.scalar_type() == at::kFloat) {
@@ -497,6 +498,8 @@ at::Tensor w4a8_moe(const at::Tensor& input, const at::Tensor& expert_ids, const
   }
   return out;
 }
+
+}  // namespace
 
 // The ops' schemas are declared in Python (w4a8.py), where it exists whether or not this file
 // builds: TorchScript resolves the op when it compiles a decode stack that may call it.

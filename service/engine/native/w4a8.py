@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -32,16 +33,24 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("w4a8.cpp")
-# The op's schema, declared here whether or not the kernel builds (w4a8.cpp registers its CPU
-# implementation): TorchScript resolves it when it compiles a decode stack that may call it.
-_LIBRARY = torch.library.Library("nim_cpu", "DEF")  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-_LIBRARY.define(  # type: ignore[no-untyped-call]
-    "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, int isa=-1) -> Tensor"
-)
-_LIBRARY.define(  # type: ignore[no-untyped-call]
-    "w4a8_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor gate_up_scales, "
-    "Tensor down, Tensor down_scales, int gate_up_group, int down_group, int intermediate) -> Tensor"
-)
+NAME = "nim_w4a8"  # the extension's name (its build directory under TORCH_EXTENSIONS_DIR)
+# A build lock older than this was left by a build that died (a build takes well under a minute);
+# torch.utils.cpp_extension would wait on it forever.
+STALE_LOCK_S = 600.0
+# The ops' schemas, declared here whether or not the kernel builds (w4a8.cpp registers their CPU
+# implementations): TorchScript resolves them when it compiles a decode stack that may call them.
+# A fragment, each op declared once: a second import of this module must not fail.
+_SCHEMAS = {
+    "w4a8_linear": "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, "
+    "int isa=-1) -> Tensor",
+    "w4a8_moe": "w4a8_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, "
+    "Tensor gate_up_scales, Tensor down, Tensor down_scales, int gate_up_group, int down_group, "
+    "int intermediate) -> Tensor",
+}
+_LIBRARY = torch.library.Library("nim_cpu", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+for _op, _schema in _SCHEMAS.items():
+    if not hasattr(torch.ops.nim_cpu, _op):
+        _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]
 TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # activations per int8 block
 ISA_NAMES = ("portable", "avx2", "avx512_vnni")
@@ -75,6 +84,18 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _clear_stale_lock(build_dir: Path) -> None:
+    """Remove the build lock a build that died left behind (see STALE_LOCK_S), saying so."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, a build lock %.0f s old (a build that did not finish left it)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def problem() -> str | None:
     """None once the kernel is loaded (built on first use), else why it cannot be."""
@@ -84,10 +105,13 @@ def problem() -> str | None:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(NAME, verbose=False)))
         cpp_extension.load(
-            name="nim_w4a8",
+            name=NAME,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
+            # No contraction of a * b + c into an fma the source does not write: every path
+            # (portable, AVX2, AVX-512) must round alike.
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=_gomp_flags(),
             is_python_module=False,
             verbose=False,
@@ -122,13 +146,19 @@ def pack(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> tuple[Tensor, Te
 
 
 def scales_problem(scale: Tensor, zero: Tensor) -> str | None:
-    """None where float16 holds a weight's groups to 2**-10 of their range (16 steps): each scale
-    to a relative 2**-10, each zero - 8 * scale to 2**-10 of 16 * scale; else why not (scales
-    too small or too large for float16)."""
+    """None where float16 holds a weight's scales and mins (zero - 8 * scale) to 2**-10 of its
+    groups' ranges (16 steps), else why not. A group's allowance is 2**-10 of its own range (of
+    its min, where that is larger), and never less than 2**-20 of its row's largest range or
+    min: a constant group's scale (quantization clamps it to ~1e-38) may round to 0."""
     scale, mins = scale.float(), (zero - 8.0 * scale).float()
-    bound = 2.0**-10 * scale.abs()
-    if not (((scale.half().float() - scale).abs() <= bound).all() and
-            ((mins.half().float() - mins).abs() <= 16 * bound).all()):  # fmt: skip
+    ranges = 16 * scale.abs()
+    floor = 2.0**-10 * torch.maximum(ranges, mins.abs()).amax(dim=-1, keepdim=True)
+    allowed = 2.0**-10 * torch.maximum(ranges, floor)
+    scale_error = 16 * (scale.half().float() - scale).abs()  # what it moves a group's top weight by
+    min_error = (mins.half().float() - mins).abs()
+    if not (
+        (scale_error <= allowed).all() and (min_error <= torch.maximum(allowed, 2.0**-10 * mins.abs())).all()
+    ):
         smallest, largest = float(scale.abs().min()), float(scale.abs().max())
         return f"its scales (from {smallest:.3g} to {largest:.3g}) are beyond float16"
     return None
@@ -173,7 +203,8 @@ _CHECK_TOLERANCE = 1e-5  # relative to the row's largest output: float32 roundin
 
 def check() -> str | None:
     """None where the loaded kernel computes `reference` (to float32 rounding) for float32 and
-    bf16 inputs and every row alike at any batch size and place; else what it got wrong."""
+    bf16 inputs and every row alike at any batch size and place, and the MoE op what the layers
+    it stands for compute (`_moe_problem`); else what it got wrong."""
     generator = torch.Generator().manual_seed(0)
     n, k, group = _CHECK_SHAPE
     q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
@@ -196,4 +227,49 @@ def check() -> str | None:
                     part = linear(inputs[offset : offset + rows], packed, sm, group, n)
                     if not torch.equal(part, out[offset : offset + rows]):
                         return f"the W4A8 kernel computes a row differently at batch {rows} ({dtype})"
+    return _moe_problem()
+
+
+# The MoE op's check: experts, hidden, intermediate, top-k, tokens.
+_MOE_CHECK = (4, 64, 96, 2, 12)
+
+
+def _moe_problem() -> str | None:
+    """None where w4a8_moe gives each token its experts' SiLU-gated MLPs through `linear`,
+    weighted and summed (float32, to the last bits of the exponential), alike at any batch."""
+    experts, hidden, inter, top_k, tokens = _MOE_CHECK
+    generator = torch.Generator().manual_seed(1)
+
+    def layer(n: int, k: int) -> tuple[Tensor, Tensor]:
+        q = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+        scale = torch.rand(n, k // BLOCK, generator=generator) * 0.05 + 0.002
+        return pack(q, scale, torch.randn(n, k // BLOCK, generator=generator) * scale, BLOCK)
+
+    gate_up = [layer(2 * inter, hidden) for _ in range(experts)]
+    down = [layer(hidden, inter) for _ in range(experts)]
+    stacked = [torch.stack([t[i] for t in layers]) for layers in (gate_up, down) for i in (0, 1)]
+    x = torch.randn(tokens, hidden, generator=generator)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+
+    def moe(rows: slice) -> Tensor:
+        out: Tensor = torch.ops.nim_cpu.w4a8_moe(
+            x[rows], ids[rows], weights[rows], *stacked, BLOCK, BLOCK, inter
+        )
+        return out
+
+    with torch.inference_mode():
+        out = moe(slice(None))
+        for t in range(tokens):
+            want = torch.zeros(hidden)
+            for c in range(top_k):
+                g = linear(x[t : t + 1], *gate_up[int(ids[t, c])], BLOCK, 2 * inter)
+                activated = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:]
+                want += linear(activated, *down[int(ids[t, c])], BLOCK, hidden)[0] * weights[t, c]
+            if not torch.allclose(out[t], want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
+                return "the W4A8 MoE op is off the layers it stands for"
+        for rows in (1, 2, 5):
+            for start in (0, 3, tokens - rows):
+                if not torch.equal(moe(slice(start, start + rows)), out[start : start + rows]):
+                    return f"the W4A8 MoE op computes a token differently at batch {rows}"
     return None

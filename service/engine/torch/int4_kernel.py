@@ -3,10 +3,11 @@
 - W4A8 (native/w4a8.py), first choice: each block of 32 activations rounded to int8, the products
   with the int4 weights summed in integer dot-product instructions (AVX-512 VNNI or AVX2), as
   llama.cpp's Q4_1 x Q8_1. Chosen where the profile is int4_wo on the CPU, NIM_CPU_INT4_KERNEL is
-  auto, the kernel builds here, and its start-up check passes (its float64 reference, every row
-  alike at any batch size and place).
-- aten's int4 kernel otherwise: activations kept in bf16 (or float32 under
-  BuildOptions.int_kernels_in_bf16's casts), weight-only.
+  auto, the kernel builds here with one of those instruction sets (its portable C++ path is for
+  tests, not speed), and its start-up check passes (its float64 reference, every row alike at any
+  batch size and place, the MoE op too).
+- aten's int4 kernel otherwise, weight-only: bf16 activations as they are, float32 ones cast to
+  bf16 around each layer (BuildOptions.int_kernels_in_bf16).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def choose(precision: str, device: torch.device, enabled: bool) -> tuple[Kernel,
     if not enabled:
         return "aten", f"off ({SETTING}): aten's int4 kernel, activations not quantized"
     started = time.monotonic()
-    problem = w4a8.problem() or w4a8.check()
+    problem = w4a8.problem()
+    if problem is None and w4a8.isa() == "portable":
+        problem = "this CPU (or ATEN_CPU_CAPABILITY) offers the W4A8 kernel neither AVX2 nor AVX-512 VNNI"
+    problem = problem or w4a8.check()
     if problem is not None:
         log.warning("%s; int4 layers run aten's int4 kernel (%s skips it)", problem, SETTING)
         return "aten", f"{problem}; aten's int4 kernel instead"
