@@ -21,7 +21,10 @@ Skipped, with the reason, where the kernel cannot be built (no g++ or ninja).
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -310,3 +313,25 @@ def test_a_model_built_for_w4a8_without_the_kernel_keeps_atens(
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert layers and all(m.kernel == "aten" for m in layers)
     assert "stay on aten's int4 kernel: the W4A8 kernel could not be built (no g++)" in caplog.text
+
+
+def test_a_dead_builds_lock_is_removed_and_a_live_ones_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.utils.cpp_extension waits on its build lock with no timeout: a build killed part-way
+    would hang every later start."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    w4a8._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - w4a8.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING):
+        w4a8._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "a build lock" in caplog.text
+    w4a8._clear_stale_lock(tmp_path)  # none: nothing to do
+
+
+def test_the_op_module_imports_twice() -> None:
+    importlib.reload(w4a8)
+    assert w4a8.problem() is None and hasattr(torch.ops.nim_cpu, "w4a8_moe")
