@@ -81,33 +81,39 @@ NIM_QUANTIZE_BLOCKS(quantize_blocks_avx512, __attribute__((target("avx512f,avx51
 NIM_QUANTIZE_BLOCKS(quantize_blocks_avx2, __attribute__((target("avx2,fma"))))
 NIM_QUANTIZE_BLOCKS(quantize_blocks_portable, )
 
+// Rows quantized per thread at least: below this a call stays on the calling thread.
+constexpr int64_t kQuantizeGrain = 16;
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t isa, Quantized& out) {
   const int64_t blocks = k / kBlock, groups = k / group, per_group = group / kBlock;
   out.q.resize(m_rows * k);
   out.d.resize(m_rows * blocks);
   out.sums.resize(m_rows * groups);
-  std::vector<float> xf(k);
-  std::vector<int32_t> isums(blocks);
-  for (int64_t m = 0; m < m_rows; ++m) {
-    const T* row = x + m * k;
-    for (int64_t i = 0; i < k; ++i) xf[i] = to_float(row[i]);
-    int8_t* q = out.q.data() + m * k;
-    float* d = out.d.data() + m * blocks;
-    if (isa == 2) {
-      quantize_blocks_avx512(xf.data(), q, d, isums.data(), blocks);
-    } else if (isa == 1) {
-      quantize_blocks_avx2(xf.data(), q, d, isums.data(), blocks);
-    } else {
-      quantize_blocks_portable(xf.data(), q, d, isums.data(), blocks);
+  // Row by row (each row's values from that row alone, whichever thread quantizes it).
+  at::parallel_for(0, m_rows, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(k);
+    std::vector<int32_t> isums(blocks);
+    for (int64_t m = begin; m < end; ++m) {
+      const T* row = x + m * k;
+      for (int64_t i = 0; i < k; ++i) xf[i] = to_float(row[i]);
+      int8_t* q = out.q.data() + m * k;
+      float* d = out.d.data() + m * blocks;
+      if (isa == 2) {
+        quantize_blocks_avx512(xf.data(), q, d, isums.data(), blocks);
+      } else if (isa == 1) {
+        quantize_blocks_avx2(xf.data(), q, d, isums.data(), blocks);
+      } else {
+        quantize_blocks_portable(xf.data(), q, d, isums.data(), blocks);
+      }
+      // The rounded inputs' sum per weight group, block by block in order (no vectorised sum).
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s = std::fmaf(d[b], static_cast<float>(isums[b]), s);
+        out.sums[m * groups + g] = s;
+      }
     }
-    // The rounded inputs' sum per weight group, block by block in order (fixed: no vectorised sum).
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s = std::fmaf(d[b], static_cast<float>(isums[b]), s);
-      out.sums[m * groups + g] = s;
-    }
-  }
+  });
 }
 
 // One tile (16 output rows) for one quantized input row, scalar: the reference the SIMD paths
