@@ -52,7 +52,7 @@ def test_version_and_metadata(base_url: str) -> None:
     assert paths.pop("compact_logits")["used"] == int4
     assert paths.pop("dense_prompt_rows")["used"] == (int4 and cpu_has_fast_bf16())
     # and its int4 layers on the W4A8 kernel where it builds here (g++ and ninja)
-    assert paths.pop("int4_kernel")["used"] == (int4 and w4a8.problem() is None)
+    assert paths.pop("int4_kernel")["used"] == (int4 and w4a8.serving_problem() is None)
     assert not any(path["used"] for path in paths.values())
     assert "CUDA only" in paths["unified_attention"]["reason"]
     assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"

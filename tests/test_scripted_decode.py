@@ -163,7 +163,7 @@ def test_scripted_decode_matches_eager_bitwise(
         if architecture == "mixtral":  # its experts all in one W4A8 call where the kernel builds
             blocks = [m for m in engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
             fused = [block.experts.fused is not None for block in blocks]
-            assert fused and all(fused) == (w4a8.problem() is None)
+            assert fused and all(fused) == (w4a8.serving_problem() is None)
         _assert_bitwise_alike(engine)
     finally:
         asyncio.run(engine.stop())

@@ -123,6 +123,15 @@ def problem() -> str | None:
     return None
 
 
+def serving_problem() -> str | None:
+    """Why the engine would not serve int4 layers on this kernel here (`problem`, or only its
+    portable C++ path available: that path is for tests, not speed), or None."""
+    problem_here = problem()
+    if problem_here is None and isa() == "portable":
+        return "this CPU (or ATEN_CPU_CAPABILITY) offers the W4A8 kernel neither AVX2 nor AVX-512 VNNI"
+    return problem_here
+
+
 def pack(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Int4Weight's fields (q uint8 [N, K] in 0..15, scale and zero float32 [N, K / group]) in the
     kernel's layout (w4a8.cpp): (uint8 [N / 16, K / 32, 256], float16 [N / 16, K / group, 2, 16]:

@@ -38,10 +38,7 @@ def choose(precision: str, device: torch.device, enabled: bool) -> tuple[Kernel,
     if not enabled:
         return "aten", f"off ({SETTING}): aten's int4 kernel, activations not quantized"
     started = time.monotonic()
-    problem = w4a8.problem()
-    if problem is None and w4a8.isa() == "portable":
-        problem = "this CPU (or ATEN_CPU_CAPABILITY) offers the W4A8 kernel neither AVX2 nor AVX-512 VNNI"
-    problem = problem or w4a8.check()
+    problem = w4a8.serving_problem() or w4a8.check()
     if problem is not None:
         log.warning("%s; int4 layers run aten's int4 kernel (%s skips it)", problem, SETTING)
         return "aten", f"{problem}; aten's int4 kernel instead"
