@@ -43,7 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine.models.base import CausalLM, GemmaStack, HasGemmaStack, HasLlamaStack, LlamaStack
+from service.engine.models.base import (
+    CausalLM,
+    GemmaStack,
+    HasGemmaStack,
+    HasLlamaStack,
+    LlamaStack,
+    RoutedMlp,
+)
 from service.engine.models.lora_ops import AdaptedLinear
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata, windowed_decode_mask
@@ -289,18 +296,12 @@ class ScriptedDecoder:
             config.rms_norm_eps,
             1.0 / math.sqrt(config.head_dim) if scale is None else scale,  # None: PagedAttention's
         )
-        none = torch.empty(0)
-        fused = [mlp is not None and len(mlp.fused) == 4 for mlp in routed] or [False] * len(layers)
         self._experts = (
             config.num_experts,
             config.num_experts_per_tok,
             config.moe_intermediate_size,
             config.norm_topk_prob,
-            [t for mlp in routed for t in (mlp.fused if mlp is not None and mlp.fused else [none] * 4)]
-            or [none] * 4 * len(layers),
-            [g for mlp in routed for g in (mlp.fused_groups if mlp is not None else (0, 0))]
-            or [0] * 2 * len(layers),
-            fused,
+            *_fused_experts(routed, len(layers)),
         )
 
     @classmethod
@@ -395,6 +396,23 @@ class ScriptedDecoder:
             *cache, list(stack.norms), self._qk_norms, *self._linears, stack.final_norm, *self._dims,
         )  # fmt: skip
         return gemma
+
+
+def _fused_experts(
+    routed: Sequence[RoutedMlp | None], num_layers: int
+) -> tuple[list[Tensor], list[int], list[bool]]:
+    """Per layer, its FusedExperts' four tensors and two group sizes (RoutedMlp.fused) and whether
+    it has them: placeholders where not (TorchScript takes flat lists of one type)."""
+    tensors: list[Tensor] = []
+    groups: list[int] = []
+    flags: list[bool] = []
+    for layer in range(num_layers):
+        mlp = routed[layer] if layer < len(routed) else None
+        fused = mlp is not None and len(mlp.fused) == 4
+        tensors += list(mlp.fused) if mlp is not None and fused else [torch.empty(0)] * 4
+        groups += list(mlp.fused_groups) if mlp is not None and fused else [0, 0]
+        flags.append(fused)
+    return tensors, groups, flags
 
 
 def _qk_norm_rows(norms: Sequence[Tensor], num_heads: int, num_kv_heads: int) -> list[Tensor]:
