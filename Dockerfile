@@ -120,7 +120,7 @@ ENV PATH=/opt/nim/venv/bin:${PATH} \
 WORKDIR /opt/nim
 USER 1000:1000
 # Build the W4A8 kernel now, as the serving user, so a start loads it rather than compiles it.
-RUN python -c "import sys; from service.engine.native import w4a8; sys.exit(w4a8.problem())"
+RUN python -c "import sys; from service.engine.native import extension; sys.exit(extension.problem())"
 VOLUME ["/opt/nim/.cache"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \

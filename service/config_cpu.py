@@ -1,7 +1,7 @@
 """Settings of the CPU's compute paths (NIM_COMPACT_LOGITS, NIM_CPU_INT4_KERNEL,
-NIM_DENSE_PROMPT_ROWS): a base of `service.config.Settings`; what they choose is
-service.engine.torch.rank_loading's, int4_kernel's and dense_prompts' to decide, and /v1/metadata
-shows."""
+NIM_CPU_FUSED_OPS, NIM_DENSE_PROMPT_ROWS): a base of `service.config.Settings`; what they choose
+is service.engine.torch.rank_loading's, int4_kernel's, cpu_fused_ops' and dense_prompts' to decide,
+and /v1/metadata shows."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ class CpuFields(BaseSettings):
         "products with the int4 weights in integer dot-product instructions (AVX-512 VNNI or AVX2; a "
         "kernel built on first use with g++, checked at start-up), as llama.cpp's Q4_1 x Q8_1; "
         "weight-only: aten's int4 kernel, activations unrounded (bf16).",
+    )
+    cpu_fused_ops: Literal["auto", "off"] = Field(
+        "auto",
+        validation_alias=AliasChoices("NIM_CPU_FUSED_OPS"),
+        description="Models on the CPU: auto runs each RMSNorm (with the residual add before it) and "
+        "each MoE layer's routing as one native op (built on first use with g++, checked against "
+        "aten's ops at start-up; Llama-family models, Qwen3-MoE and Mixtral); off: aten's op sequences.",
     )
     dense_prompt_rows: Literal["auto", "off"] = Field(
         "auto",

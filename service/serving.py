@@ -95,6 +95,7 @@ def engine_config(settings: Settings, plan: Plan, source: ModelSource) -> Engine
         w8a8_logits=settings.compact_logits == "auto",
         dense_prompt_rows=settings.dense_prompt_rows == "auto",
         w4a8_int4=settings.cpu_int4_kernel == "auto",
+        cpu_fused_ops=settings.cpu_fused_ops == "auto",
         num_threads=settings.num_threads,
         weight_cache_dir=settings.cache_path / "quantized",
         build_engine=profile.trtllm_buildable,

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from service.engine.native import w4a8
+from service.engine.native import extension, w4a8
 from service.host import cpu_has_fast_bf16
 from tests.conftest import EMBEDDED_NAME, embedded_default_precision, start_server, wait_ready
 
@@ -44,6 +44,7 @@ def test_version_and_metadata(base_url: str) -> None:
         "speculative_decoding",
         "compact_logits",
         "int4_kernel",
+        "cpu_fused_ops",
         "dense_prompt_rows",
     }
     # The CPU, defaults: the int8 logits only where the default is int4_wo with bf16 activations,
@@ -53,6 +54,9 @@ def test_version_and_metadata(base_url: str) -> None:
     assert paths.pop("dense_prompt_rows")["used"] == (int4 and cpu_has_fast_bf16())
     # and its int4 layers on the W4A8 kernel where it builds here (g++ and ninja)
     assert paths.pop("int4_kernel")["used"] == (int4 and w4a8.serving_problem() is None)
+    # and its norms as fused native ops where the extension builds
+    fused = paths.pop("cpu_fused_ops")
+    assert fused["used"] == (extension.problem() is None) and fused["setting"] == "NIM_CPU_FUSED_OPS=off"
     assert not any(path["used"] for path in paths.values())
     assert "CUDA only" in paths["unified_attention"]["reason"]
     assert paths["engine_process"]["setting"] == "NIM_ENGINE_PROCESS=off"

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from service.config_loading import load_settings
 from service.engine.models.moe import SparseMoeBlock
-from service.engine.native import w4a8
+from service.engine.native import extension, w4a8
 from service.engine.protocol import GenerationRequest, SamplingParams
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
@@ -147,19 +147,23 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "int4_wo",
         ),  # quantized experts: the W4A8 MoE op where it builds, else one int4 layer each
         ("qwen3_moe", "int4_wo-weight-only"),  # one int4 layer each (aten's kernel)
+        ("qwen3_moe", "bf16-aten-ops"),  # NIM_CPU_FUSED_OPS=off: aten's norms and routing (q/k norms too)
     ],
 )
 def test_scripted_decode_matches_eager_bitwise(
     checkpoints: dict[str, Path], tmp_path: Path, architecture: str, precision: str
 ) -> None:
-    precision, _, kernel = precision.partition("-")
+    precision, _, variant = precision.partition("-")
     engine = _engine(
         model_name=str(checkpoints[architecture]),
         model_profile=f"torch-generic-{precision}-tp1-pp1-throughput",
         cache_path=str(tmp_path / "cache"),
-        cpu_int4_kernel=kernel or "auto",
+        cpu_int4_kernel="weight-only" if variant == "weight-only" else "auto",
+        cpu_fused_ops="off" if variant == "aten-ops" else "auto",
     )
     try:
+        fused_ops = {path.name: path.used for path in engine.info.paths}["cpu_fused_ops"]
+        assert fused_ops == (variant != "aten-ops" and extension.problem() is None)
         if architecture == "mixtral":  # its experts all in one W4A8 call where the kernel builds
             blocks = [m for m in engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
             fused = [block.experts.fused is not None for block in blocks]
@@ -182,7 +186,8 @@ def test_a_one_token_routed_mlp_runs_its_chosen_experts_without_sorting() -> Non
         ]
     count = len(weights)
     args = ([0] * count, weights, [torch.empty(0)] * count, [None] * count, [0] * count,
-            [w.shape[0] for w in weights], [0] * count, experts, top_k, inter, True, [], [])  # fmt: skip
+            [w.shape[0] for w in weights], [0] * count, experts, top_k, inter, True, [], [],
+            False)  # fmt: skip
     tokens = torch.randn(4, hidden, generator=generator)
     grouped = _routed_mlp(tokens, 0, *args)
     with torch.profiler.profile() as profile:
@@ -221,7 +226,7 @@ def test_a_one_token_routed_mlp_is_bitwise_one_expert_at_a_time(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        got = _routed_mlp(x, 0, *linears, experts, top_k, inter, True, [], [])
+        got = _routed_mlp(x, 0, *linears, experts, top_k, inter, True, [], [], False)
         probs = torch.softmax(torch.nn.functional.linear(x, weights[0]), dim=-1, dtype=torch.float32)
         chosen, ids = torch.topk(probs, top_k, dim=-1)
         chosen = (chosen / chosen.sum(dim=-1, keepdim=True)).to(dtype)

@@ -219,6 +219,7 @@ def test_a_built_engine_refuses_what_it_was_not_built_for(
         ({"dense_prompt_rows": False}, "NIM_DENSE_PROMPT_ROWS applies to the torch engine"),
         ({"w8a8_logits": False}, "NIM_COMPACT_LOGITS applies to the torch engine"),
         ({"w4a8_int4": False}, "NIM_CPU_INT4_KERNEL applies to the torch engine"),
+        ({"cpu_fused_ops": False}, "NIM_CPU_FUSED_OPS applies to the torch engine"),
         ({"device": "cpu"}, "runs on NVIDIA GPUs only"),
         ({"model_format": "gguf"}, "not GGUF files"),
         ({"kv_block_size": 48}, "NIM_KV_BLOCK_SIZE=48: .* power of two"),

@@ -36,7 +36,7 @@ from service.engine.models.loader import build_model, load_gguf, load_hf_dir
 from service.engine.models.moe import FusedExperts
 from service.engine.models.quant import Int4Weight
 from service.engine.models.quant_linear import Int4Linear, int4_layers_on
-from service.engine.native import w4a8
+from service.engine.native import extension, w4a8
 from service.engine.torch import int4_kernel
 from service.store.model_store import embedded_model_path
 from tests import test_cpu_int_kernels as cpu_kernels
@@ -325,14 +325,14 @@ def test_a_dead_builds_lock_is_removed_and_a_live_ones_kept(
     would hang every later start."""
     lock = tmp_path / "lock"
     lock.touch()
-    w4a8._clear_stale_lock(tmp_path)
+    extension._clear_stale_lock(tmp_path)
     assert lock.exists()  # a build may be running now
-    old = time.time() - w4a8.STALE_LOCK_S - 60
+    old = time.time() - extension.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING):
-        w4a8._clear_stale_lock(tmp_path)
+        extension._clear_stale_lock(tmp_path)
     assert not lock.exists() and "a build lock" in caplog.text
-    w4a8._clear_stale_lock(tmp_path)  # none: nothing to do
+    extension._clear_stale_lock(tmp_path)  # none: nothing to do
 
 
 def test_the_op_module_imports_twice() -> None:

@@ -55,7 +55,7 @@ _ENGINE = (
     "kv_cache_percent", "kv_cache_max_tokens", "kv_block_size", "enable_kv_cache_reuse", "model_profile",
     "profile_type", "tensor_parallel_size", "system_info", "cuda_visible_devices", "enforce_eager",
     "unified_attention", "fp8_scaled_mm", "compact_logits", "dense_prompt_rows", "cpu_int4_kernel",
-    "engine_process", "fused_kernels",
+    "cpu_fused_ops", "engine_process", "fused_kernels",
     "collective_timeout_seconds", "num_threads", "guided_decoding_backend", "peft_source",
     "peft_refresh_interval", "max_lora_rank", "max_gpu_loras", "max_cpu_loras", "lora_modules",
     "quantization", "speculative_config", "draft_model_path",

@@ -216,6 +216,7 @@ class EngineConfig:
     w8a8_logits: bool = True  # and its input rows int8 too, where the start-up probe passes
     dense_prompt_rows: bool = True  # the CPU, int4 under bf16: prompt rows dense (NIM_DENSE_PROMPT_ROWS)
     w4a8_int4: bool = True  # the CPU, int4: activations rounded to int8, integer sums (NIM_CPU_INT4_KERNEL)
+    cpu_fused_ops: bool = True  # the CPU: norms and MoE routing as native ops (NIM_CPU_FUSED_OPS)
     num_threads: int | None = None  # CPU threads; None: every core the container may use
     collective_timeout_s: float | None = None  # tensor parallelism: the longest a collective waits
     weight_cache_dir: Path | None = None  # where weights quantized at load are kept; None: nowhere

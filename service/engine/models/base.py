@@ -54,6 +54,9 @@ class BuildOptions:
     # The CPU, native int4 layers: "w4a8" moves them to the W4A8 kernel once loaded (activations
     # rounded to int8 per block of 32, integer dot products: native/w4a8.py); "aten", aten's.
     int4_kernel: Literal["aten", "w4a8"] = "aten"
+    # The CPU: RMSNorm (with its residual add) and MoE routing as one native op each (native/
+    # fused_ops.py), in eager modules and the scripted decode alike; off, aten's op sequences.
+    cpu_fused_ops: bool = False
 
 
 ONE_PROCESS = BuildOptions()  # the whole model here, PyTorch's ops: what a model is built with by default
@@ -110,6 +113,8 @@ class LlamaStack:
     qk_norms: Sequence[Tensor]  # per layer: q, k (empty: the model has none)
     final_norm: Tensor
     routed: Sequence[RoutedMlp | None] = ()  # per layer (empty: every layer's MLP is dense)
+    # Norms and routing through the fused CPU ops (BuildOptions.cpu_fused_ops), as the modules run them.
+    fused_ops: bool = False
 
 
 @dataclass(frozen=True)

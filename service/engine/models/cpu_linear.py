@@ -122,14 +122,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=True"
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` with a PackedLinear, probing each distinct shape once
-    for whether small batches need padding; returns how many were replaced."""
+def prepack_linears(model: nn.Module, keep: Iterable[nn.Module] = ()) -> int:
+    """Replace every nn.Linear in `model` but those in `keep` with a PackedLinear, probing each
+    distinct shape once for whether small batches need padding; returns how many were replaced."""
     replaced = 0
     padding: dict[tuple[int, int, torch.dtype], bool] = {}
+    kept = {id(module) for module in keep}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and id(child) not in kept:
                 packed = PackedLinear(child.weight, child.bias)
                 key = (packed.out_features, packed.in_features, packed.dtype)
                 if key not in padding:

@@ -59,7 +59,9 @@ class LlamaModel(nn.Module):
         # Float, or int8 once loaded as BuildOptions.logits_format says (LlamaForCausalLM._quantize_logits).
         self.embed_tokens: nn.Embedding | Int8Embedding = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.fused_kernels)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, options.fused_kernels, options.cpu_fused_ops
+        )
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """The layers, typed (an nn.ModuleList yields plain Modules)."""
@@ -173,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
             norms=norms,
             qk_norms=qk_norms,
             final_norm=self.model.norm.weight,
+            fused_ops=self.model.norm.native,
         )
 
     def _embed(self, input_ids: Tensor) -> Tensor:
@@ -204,7 +207,11 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: the embedding stays a plain tensor for lookups
             self.lm_head = PackedLinear(self._float_table(), None)
             self.lm_head.pad_small = self.lm_head.needs_padding()
-        prepack_linears(self)
+        prepack_linears(self, keep=self.kept_unpacked())
+
+    def kept_unpacked(self) -> list[nn.Module]:
+        """Linear layers `prepack_for_cpu` leaves as they are (their weights read as tensors)."""
+        return []
 
     @torch.no_grad()
     def load_weights(

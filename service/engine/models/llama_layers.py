@@ -18,6 +18,7 @@ from service.engine.models import triton_ops
 from service.engine.models.attention import Attention
 from service.engine.models.base import BuildOptions
 from service.engine.models.rope import Rope
+from service.engine.native import fused_ops
 from service.model.config import ModelConfig
 
 # A tensor-parallel model's all-reduce after each row-parallel projection (None: one process).
@@ -30,15 +31,18 @@ def all_reduce_of(options: BuildOptions) -> Reduce | None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False, native: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.fused = fused  # the Triton kernel where the tensor is on CUDA
+        self.native = native  # the fused CPU op where the tensor is on the CPU (BuildOptions.cpu_fused_ops)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.dim() == 2 and triton_ops.runs_on(x):
             return triton_ops.rms_norm(x, self.weight, self.eps)
+        if self.native and x.device.type == "cpu":
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         # HF's LlamaRMSNorm: normalise in float32 (x * rsqrt(mean(x^2) + eps)), cast back, then
         # scale. PyTorch's rms_norm computes in float32 for 16-bit inputs and rounds once: bitwise
         # the upcast, normalise, cast of HF's separate ops (tests/test_model_numerics.py holds it).
@@ -48,12 +52,16 @@ class RMSNorm(nn.Module):
         """(RMSNorm(x + residual), x + residual): a residual connection and the next norm."""
         if self.fused and triton_ops.runs_on(x):
             return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.native and x.device.type == "cpu":
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self.forward(summed), summed
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, reduce: Reduce | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, reduce: Reduce | None = None, native: bool = False
+    ) -> None:
         super().__init__()
         self.reduce = reduce  # tensor parallelism: the all-reduce after the row-parallel o_proj
         self.layer_idx = layer_idx
@@ -68,8 +76,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
         if config.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, native=native)
+            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, native=native)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -123,11 +131,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, options: BuildOptions) -> None:
         super().__init__()
-        reduce, fused = all_reduce_of(options), options.fused_kernels
-        self.self_attn = LlamaAttention(config, layer_idx, reduce)
+        reduce, fused, native = all_reduce_of(options), options.fused_kernels, options.cpu_fused_ops
+        self.self_attn = LlamaAttention(config, layer_idx, reduce, native)
         self.mlp = LlamaMLP(config, reduce, fused)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, native)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, native)
 
     def forward(
         self, hidden: Tensor, residual: Tensor | None, rope: Rope, attention: Attention

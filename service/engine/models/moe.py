@@ -45,6 +45,7 @@ from service.engine.models.llama_layers import Reduce, all_reduce_of
 from service.engine.models.quant import NVFP4Weight, QuantizedWeight, concat_rows
 from service.engine.models.quant_linear import Int4Linear, make_linear
 from service.engine.models.tensor_parallel import EXPERT_PROJECTIONS
+from service.engine.native import fused_ops
 from service.model.config import ModelConfig, UnsupportedModelError
 from service.model.quantization import QuantizationError
 
@@ -220,22 +221,31 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (``gate``) and experts, in place of a decoder layer's MLP."""
 
-    def __init__(self, config: ModelConfig, reduce: Reduce | None = None) -> None:
+    def __init__(self, config: ModelConfig, reduce: Reduce | None = None, native: bool = False) -> None:
         super().__init__()
         self.reduce = reduce  # tensor parallelism: the all-reduce after the weighted routed sum
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
+        # The routing as one fused CPU op (BuildOptions.cpu_fused_ops); the gate then stays a plain
+        # nn.Linear (MoeForCausalLM.kept_unpacked), its weight what the op takes.
+        self.native = native
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, H]
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of each token's top-k experts."""
+        if self.native and x.device.type == "cpu":
+            return fused_ops.route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         logits = self.gate.forward(x)  # [T, E]
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), expert_ids
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, H]
+        weights, expert_ids = self.route(x)
         fused = self.experts.fused
         if fused is not None:  # every expert on the W4A8 kernel: one call (FusedExperts)
             routed = fused(x, expert_ids, weights, self.experts.intermediate_size)
@@ -260,8 +270,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(config, options)
         for index in config.sparse_layers:
             # setattr: LlamaDecoderLayer types its mlp as the dense one.
-            block = SparseMoeBlock(config, all_reduce_of(options))
+            block = SparseMoeBlock(config, all_reduce_of(options), options.cpu_fused_ops)
             setattr(self.model.decoder_layers()[index], "mlp", block)  # noqa: B010
+
+    def kept_unpacked(self) -> list[nn.Module]:
+        """Routers the fused CPU op reads (SparseMoeBlock.native): their weights stay plain."""
+        blocks = [layer.mlp for layer in self.model.decoder_layers()]
+        return [block.gate for block in blocks if isinstance(block, SparseMoeBlock) and block.native]
 
     def _linear_roles(self, layer: int) -> tuple[str, ...]:
         """Attention's linears in every layer; gate_up and down only in the dense layers (the

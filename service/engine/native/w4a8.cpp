@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -433,19 +435,7 @@ void moe_run(int64_t isa, const at::Tensor& x, const at::Tensor& expert_ids, con
   });
 }
 
-// The instructions to run: torch's own CPU capability (ATEN_CPU_CAPABILITY lowers it) and the
-// CPU's flags. 2 AVX-512 VNNI, 1 AVX2, 0 portable.
-int64_t auto_isa() {
-  static const int64_t chosen = [] {
-    const std::string capability = at::get_cpu_capability();
-    const bool avx512 = capability.rfind("AVX512", 0) == 0, avx2 = avx512 || capability == "AVX2";
-    if (avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) return int64_t{2};
-    if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return int64_t{1};
-    return int64_t{0};
-  }();
-  return chosen;
-}
+int64_t auto_isa() { return nim_cpu_isa(); }
 
 at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& sm, int64_t group,
                        int64_t out_features, int64_t isa) {

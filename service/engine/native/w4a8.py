@@ -8,9 +8,9 @@ activations to int8 and sums nibble-times-int8 products in integer dot-product i
 (any group size that is a multiple of 32), with the zero term taken from the exact float sum of
 the activations; docs/engine.md states what the activations' rounding costs.
 
-The kernel is compiled on first use by torch.utils.cpp_extension (g++ and ninja; cached under
-TORCH_EXTENSIONS_DIR, which the container image fills at build time). Where it cannot be built or
-loaded, `problem()` says why and the int4 layers keep aten's kernel.
+The kernel is part of the native CPU ops extension (extension.py: built on first use, cached
+under TORCH_EXTENSIONS_DIR). Where it cannot be built or loaded, `problem()` says why and the int4
+layers keep aten's kernel.
 
 Which instructions it uses follows torch's own CPU capability (so ATEN_CPU_CAPABILITY=avx2 makes
 an AVX-512 host run the AVX2 path, as it does aten's kernels) and the CPU's flags: AVX-512 VNNI,
@@ -20,107 +20,33 @@ same float operations in the same order, so they agree bitwise (tests/test_w4a8.
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import shutil
-import time
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from service.engine.native import extension
 
-SOURCE = Path(__file__).with_name("w4a8.cpp")
-NAME = "nim_w4a8"  # the extension's name (its build directory under TORCH_EXTENSIONS_DIR)
-# A build lock older than this was left by a build that died (a build takes well under a minute);
-# torch.utils.cpp_extension would wait on it forever.
-STALE_LOCK_S = 600.0
-# The ops' schemas, declared here whether or not the kernel builds (w4a8.cpp registers their CPU
-# implementations): TorchScript resolves them when it compiles a decode stack that may call them.
-# A fragment, each op declared once: a second import of this module must not fail.
-_SCHEMAS = {
-    "w4a8_linear": "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, "
-    "int isa=-1) -> Tensor",
-    "w4a8_moe": "w4a8_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, "
-    "Tensor gate_up_scales, Tensor down, Tensor down_scales, int gate_up_group, int down_group, "
-    "int intermediate) -> Tensor",
-}
-_LIBRARY = torch.library.Library("nim_cpu", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-for _op, _schema in _SCHEMAS.items():
-    if not hasattr(torch.ops.nim_cpu, _op):
-        _LIBRARY.define(_schema)  # type: ignore[no-untyped-call]
+# The ops' schemas (w4a8.cpp registers their CPU implementations and w4a8_isa).
+extension.define(
+    {
+        "w4a8_linear": "w4a8_linear(Tensor x, Tensor packed, Tensor scales, int group, int out_features, "
+        "int isa=-1) -> Tensor",
+        "w4a8_moe": "w4a8_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, "
+        "Tensor gate_up_scales, Tensor down, Tensor down_scales, int gate_up_group, int down_group, "
+        "int intermediate) -> Tensor",
+    }
+)
 TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # activations per int8 block
-ISA_NAMES = ("portable", "avx2", "avx512_vnni")
+
+
+def problem() -> str | None:
+    """None once the kernel is loaded (the native CPU ops extension built), else why it cannot be."""
+    return extension.problem()
 
 
 def isa() -> str:
-    """The instructions the loaded kernel runs here (w4a8.cpp's auto_isa: torch's CPU capability,
-    which ATEN_CPU_CAPABILITY lowers, and the CPU's flags)."""
-    return ISA_NAMES[int(torch.ops.nim_cpu.w4a8_isa())]
-
-
-def _gomp_flags() -> list[str]:
-    """Link the OpenMP runtime torch itself loaded (its bundled libgomp where it ships one), so
-    at::parallel_for's threads are torch's own and no second runtime starts."""
-    lib = Path(torch.__file__).parent / "lib"
-    bundled = sorted(lib.glob("libgomp*.so*"))
-    if bundled:
-        return [f"-L{lib}", f"-l:{bundled[0].name}", f"-Wl,-rpath,{lib}"]
-    return ["-lgomp"]
-
-
-def _ninja_on_path() -> None:
-    """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` package (a dependency) puts it
-    beside the interpreter, which PATH lacks when a virtual environment's python is run directly."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-
-def _clear_stale_lock(build_dir: Path) -> None:
-    """Remove the build lock a build that died left behind (see STALE_LOCK_S), saying so."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, a build lock %.0f s old (a build that did not finish left it)", lock, age)
-        lock.unlink(missing_ok=True)
-
-
-@functools.cache
-def problem() -> str | None:
-    """None once the kernel is loaded (built on first use), else why it cannot be."""
-    if os.name != "posix":
-        return "the W4A8 kernel is built for Linux only"
-    try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(NAME, verbose=False)))
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(SOURCE)],
-            # No contraction of a * b + c into an fma the source does not write: every path
-            # (portable, AVX2, AVX-512) must round alike.
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=_gomp_flags(),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as error:  # a missing compiler, ninja, or headers: say which, keep aten's kernel
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"the W4A8 kernel could not be built ({first})"
-    log.info("W4A8 kernel loaded (%s)", isa())
-    return None
+    """The instructions the loaded kernel runs here (extension.isa)."""
+    return extension.isa()
 
 
 def serving_problem() -> str | None:

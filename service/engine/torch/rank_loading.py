@@ -32,7 +32,7 @@ from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLay
 from service.engine.models.w8a8 import OUTLIERS, w8a8_problem
 from service.engine.precision import FLOAT_PRECISIONS, PRECISION_SPECS, Mode, precision_mode
 from service.engine.protocol import PathChoice
-from service.engine.torch import int4_kernel
+from service.engine.torch import cpu_fused_ops, int4_kernel
 from service.engine.torch.cuda_graphs import batch_buckets
 from service.engine.torch.decode_path import DecodeOptions, captures_graphs
 from service.engine.torch.dense_prompts import dense_prompt_path
@@ -214,6 +214,7 @@ def load_rank(
         parallel = TensorParallel(ProcessGroupCollectives(), layout) if layout is not None else None
         logits, logits_format = _logits_path(config, device, dtype, model_config.hidden_size)
         kernel, kernel_reason = int4_kernel.choose(config.precision, device, config.w4a8_int4)
+        cpu_fused = cpu_fused_ops.choose(device, config.cpu_fused_ops)
         options = BuildOptions(
             tensor_parallel=parallel,
             fused_kernels=fused.used,
@@ -221,6 +222,7 @@ def load_rank(
             logits_format=logits_format,
             int_kernels_in_bf16=device.type == "cpu" and dtype == torch.float32,
             int4_kernel=kernel,
+            cpu_fused_ops=cpu_fused.used,
         )
         if layout is None:
             model = build_model(model_config, weights, dtype, device, options)
@@ -237,7 +239,7 @@ def load_rank(
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     fp8, mode = _fp8_path(model, config, mode)
     dense = dense_prompt_path(model, config.dense_prompt_rows, device, dtype, layout is not None)
-    paths = (fp8, fused, logits, int4_kernel.path(model, kernel, kernel_reason), dense)
+    paths = (fp8, fused, logits, int4_kernel.path(model, kernel, kernel_reason), cpu_fused, dense)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
     log.info(

@@ -52,6 +52,7 @@ from service.engine.models.base import (
     RoutedMlp,
 )
 from service.engine.models.lora_ops import AdaptedLinear
+from service.engine.native import fused_ops as _fused_ops  # noqa: F401  (declares the ops the stack calls)
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata, windowed_decode_mask
 from service.engine.torch.scripted_gemma import scripted_gemma_stack, window_of
@@ -98,6 +99,7 @@ def _routed_mlp(
     normalize: bool,
     fused: list[Tensor],  # FusedExperts' four stacked tensors, or empty: one call per expert
     fused_groups: list[int],
+    fused_route: bool,  # SparseMoeBlock.route's fused CPU op (the router then a FLOAT linear)
 ) -> Tensor:
     """SparseMoeBlock.forward with Experts.grouped (models/moe.py), op for op: each (token, choice)
     a row, the rows sorted by expert, one matmul per expert with rows.
@@ -107,12 +109,16 @@ def _routed_mlp(
     the grouped loop scatters them to, the same matmuls on the same rows (bitwise the same), with
     one SiLU-mul over the experts' stacked gate_up rows where aten runs it in one piece."""
     i = router
-    logits = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    chosen, expert_ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
-    chosen = chosen.to(x.dtype)
+    if fused_route:
+        routing: tuple[Tensor, Tensor] = torch.ops.nim_cpu.route(x, weights[i], top_k, normalize)
+        chosen, expert_ids = routing
+    else:
+        logits = linear(x, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        chosen, expert_ids = torch.topk(probs, top_k, dim=-1)
+        if normalize:
+            chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        chosen = chosen.to(x.dtype)
     if len(fused) > 0:  # FusedExperts.__call__
         routed: Tensor = torch.ops.nim_cpu.w4a8_moe(
             x, expert_ids, chosen, fused[0], fused[1], fused[2], fused[3], fused_groups[0], fused_groups[1],
@@ -200,6 +206,7 @@ def _decode_stack(
     fused: list[Tensor],  # per layer 4 (RoutedMlp.fused; empty tensors where not fused)
     fused_groups: list[int],  # per layer 2
     fused_layers: list[bool],
+    fused_ops: bool,  # LlamaStack.fused_ops: norms and routing through the fused CPU ops
 ) -> Tensor:
     batch = hidden.shape[0]
     width = hidden.shape[1]
@@ -209,35 +216,49 @@ def _decode_stack(
     normed = hidden
     for layer in range(len(pools)):
         # LlamaDecoderLayer: the residual connection is added by the next norm.
-        residual = hidden if layer == 0 else hidden + residual
-        normed = norms[2 * layer] * torch.rms_norm(residual, [width], None, eps)
+        if fused_ops and layer == 0:
+            residual = hidden
+            normed = torch.ops.nim_cpu.rms_norm(hidden, norms[0], eps)
+        elif fused_ops:
+            normed, residual = torch.ops.nim_cpu.add_rms_norm(hidden, residual, norms[2 * layer], eps)
+        else:
+            residual = hidden if layer == 0 else hidden + residual
+            normed = norms[2 * layer] * torch.rms_norm(residual, [width], None, eps)
         i = firsts[layer]
         qkv = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         v = qkv[:, q_size + kv_size :].view(batch, num_kv_heads, head_dim)
         # q and k are adjacent in qkv: normed (Qwen3) and rotated in one call each, head by head.
         qk = qkv[:, : q_size + kv_size].view(batch, num_heads + num_kv_heads, head_dim)
-        if len(qk_norms) > 0:
+        if len(qk_norms) > 0 and fused_ops:
+            qk = torch.ops.nim_cpu.rms_norm(qk, qk_norms[layer], eps)
+        elif len(qk_norms) > 0:
             qk = qk_norms[layer] * torch.rms_norm(qk, [head_dim], None, eps)
         split = rotate_(qk, cos, sin).split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
         q, k = split[0], split[1]
         out = attend(q, k, v, pools[layer], slots, mask, block_ids, run_first, run_count, block_size, scale)
         i += 1
         attended = linear(out, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
-        residual = attended + residual
-        normed = norms[2 * layer + 1] * torch.rms_norm(residual, [width], None, eps)
+        if fused_ops:
+            normed, residual = torch.ops.nim_cpu.add_rms_norm(attended, residual, norms[2 * layer + 1], eps)
+        else:
+            residual = attended + residual
+            normed = norms[2 * layer + 1] * torch.rms_norm(residual, [width], None, eps)
         i += 1
         if routed[layer]:
             layer_fused = fused[4 * layer : 4 * layer + 4] if fused_layers[layer] else []
             hidden = _routed_mlp(
                 normed, i, kinds, weights, auxes, biases, groups, outs, pads,
                 num_experts, top_k, expert_intermediate, normalize,
-                layer_fused, fused_groups[2 * layer : 2 * layer + 2],
+                layer_fused, fused_groups[2 * layer : 2 * layer + 2], fused_ops,
             )  # fmt: skip
             continue
         gate_up = linear(normed, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         i += 1
         hidden = linear(activated, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
+    if fused_ops:
+        final: tuple[Tensor, Tensor] = torch.ops.nim_cpu.add_rms_norm(hidden, residual, final_norm, eps)
+        return final[0]
     summed = hidden + residual
     return final_norm * torch.rms_norm(summed, [width], None, eps)
 
@@ -381,7 +402,7 @@ class ScriptedDecoder:
             llama: Tensor = _scripted_stack()(
                 hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, list(stack.norms),
                 self._qk_norms, *self._routing, *self._linears, stack.final_norm, *self._dims,
-                *self._experts,
+                *self._experts, stack.fused_ops,
             )  # fmt: skip
             return llama
         # Gemma3ForCausalLM.forward: the scaled embedding, two RoPE tables, a mask per window.

@@ -110,6 +110,8 @@ def check_config(config: EngineConfig, api: TrtllmApi) -> None:
         raise refuse("NIM_DENSE_PROMPT_ROWS applies to the torch engine; unset it")
     if not config.w4a8_int4:
         raise refuse("NIM_CPU_INT4_KERNEL applies to the torch engine on the CPU; unset it")
+    if not config.cpu_fused_ops:
+        raise refuse("NIM_CPU_FUSED_OPS applies to the torch engine on the CPU; unset it")
     if config.speculative is not None:
         raise refuse(
             "NIM_SPECULATIVE_CONFIG / NIM_DRAFT_MODEL_PATH: speculative decoding is not passed to "

@@ -1,0 +1,109 @@
+"""Fused CPU ops for a decode layer's small steps (fused_ops.cpp): RMSNorm, with the residual add
+before it, and MoE routing, each one op where aten runs a sequence.
+
+At one stream a decode step is a few hundred small ops between the weight-streaming matmuls, and
+after each matmul the small ops' dispatch and kernel code have left the caches: RMSNorm of one
+row took 78 us there against 20 us hot, the router of a 32-expert layer 274 us against 62 us
+(bench/README.md "Fused CPU norms and routing"). The fused ops take a few microseconds.
+
+What each computes is the aten sequence it replaces (named at each), in float32 with the same
+roundings to the activation dtype; only the order of the float32 sums differs, so results agree
+to the last bits of float32 (bf16: to one rounding). Eager modules and the scripted decode call
+the same ops, so a scripted step stays bitwise the eager one; rows are computed alike at any
+batch size (the ops' invariants, fused_ops.cpp). `check()` holds both at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from service.engine.native import extension
+
+extension.define(
+    {
+        "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+        "add_rms_norm": "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) "
+        "-> (Tensor, Tensor)",
+        "route": "route(Tensor x, Tensor gate, int top_k, bool normalize) -> (Tensor, Tensor)",
+    }
+)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * F.rms_norm(x, (H,), eps=eps) (llama_layers.RMSNorm.forward); a [W, H] weight gives
+    row r of x (its leading dimensions flattened) weight row r % W."""
+    out: Tensor = torch.ops.nim_cpu.rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual) (llama_layers.RMSNorm.add_forward)."""
+    normed, summed = torch.ops.nim_cpu.add_rms_norm(x, residual, weight, eps)
+    return normed, summed
+
+
+def route(x: Tensor, gate: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """SparseMoeBlock's routing (models/moe.py): (weights [T, top_k] in x's dtype, expert ids
+    [T, top_k] int64) from the router's weight [experts, hidden]."""
+    weights, ids = torch.ops.nim_cpu.route(x, gate, top_k, normalize)
+    return weights, ids
+
+
+def _aten_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def _aten_route(x: Tensor, gate: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    probs = F.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), ids
+
+
+# The start-up check's shapes: rows, width (not a multiple of 16), experts, top-k.
+_ROWS, _WIDTH, _EXPERTS, _TOP_K = 24, 200, 12, 3
+_PROBED = ((1, 0), (1, 5), (3, 2), (7, 17), (16, 8))  # (rows, first row) slices against the whole batch
+# How far the fused ops may be from aten's: float32 sums in another order (relative to a row's
+# largest value), and for 16-bit outputs one rounding of the value.
+_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
+
+
+def check() -> str | None:
+    """None where the loaded ops compute what the aten sequences they replace compute (to the
+    tolerance above, the routers' choices exactly) and every row alike at any batch size and
+    place; else what they got wrong."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(_ROWS, _WIDTH, generator=generator) * torch.logspace(-3, 3, _ROWS)[:, None]
+    residual = torch.randn(_ROWS, _WIDTH, generator=generator)
+    weight = torch.rand(_WIDTH, generator=generator) + 0.5
+    # The router's inputs unscaled: saturated softmaxes tie at 0, and ties may go either way.
+    tokens = torch.randn(_ROWS, _WIDTH, generator=generator)
+    gate = torch.randn(_EXPERTS, _WIDTH, generator=generator) * 0.1
+    with torch.inference_mode():
+        for dtype, tolerance in _TOLERANCE.items():
+            xs, rs, w, ts, g = (t.to(dtype) for t in (x, residual, weight, tokens, gate))
+            normed, summed = add_rms_norm(xs, rs, w, 1e-6)
+            if not torch.equal(summed, xs + rs):
+                return f"the fused add_rms_norm's residual sum differs from aten's ({dtype})"
+            if not torch.equal(normed, rms_norm(summed, w, 1e-6)):
+                return f"the fused add_rms_norm differs from its rms_norm ({dtype})"
+            for name, got, want in (
+                ("rms_norm", rms_norm(xs, w, 1e-6), _aten_norm(xs, w, 1e-6)),
+                ("router's weights", route(ts, g, _TOP_K, True)[0], _aten_route(ts, g, _TOP_K)[0]),
+            ):
+                scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+                error = float(((got.float() - want.float()).abs() / scale).max())
+                if not error <= tolerance:
+                    return f"the fused {name} is {error:.2g} off aten's ({dtype})"
+            weights, ids = route(ts, g, _TOP_K, True)
+            if not torch.equal(ids, _aten_route(ts, g, _TOP_K)[1]):
+                return f"the fused router chooses other experts than aten's ({dtype})"
+            for rows, first in _PROBED:
+                part = slice(first, first + rows)
+                if not (
+                    torch.equal(rms_norm(xs[part], w, 1e-6), rms_norm(xs, w, 1e-6)[part])
+                    and torch.equal(route(ts[part], g, _TOP_K, True)[0], weights[part])
+                ):
+                    return f"the fused ops compute a row differently at batch {rows} ({dtype})"
+    return None

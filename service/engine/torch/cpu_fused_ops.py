@@ -1,0 +1,46 @@
+"""Whether a CPU model runs its norms and MoE routing as fused native ops (/v1/metadata:
+executionPaths.cpu_fused_ops).
+
+Chosen where the model is on the CPU, NIM_CPU_FUSED_OPS is auto, the native CPU ops extension
+builds here (native/extension.py) and its start-up check passes (native/fused_ops.check: the ops
+against the aten sequences they replace, every row alike at any batch size). Then every
+Llama-family RMSNorm (with the residual add before it) and every MoE layer's routing is one op
+(BuildOptions.cpu_fused_ops), in eager modules and the scripted decode alike; else aten's ops.
+Gemma 3's norms (1 + w, one rounding) keep aten's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from service.engine.native import extension, fused_ops
+from service.engine.protocol import PathChoice
+
+log = logging.getLogger(__name__)
+
+SETTING = "NIM_CPU_FUSED_OPS=off"
+NAME = "cpu_fused_ops"
+
+
+def choose(device: torch.device, enabled: bool) -> PathChoice:
+    """The choice for a model on `device`, before it is built (`.used`: BuildOptions.cpu_fused_ops)."""
+    if device.type != "cpu":
+        return PathChoice(NAME, False, "the model is not on the CPU", SETTING)
+    if not enabled:
+        return PathChoice(NAME, False, f"off ({SETTING}): aten's op sequences", SETTING)
+    started = time.monotonic()
+    problem = extension.problem() or fused_ops.check()
+    if problem is not None:
+        log.warning("%s; norms and routing run aten's ops (%s skips them)", problem, SETTING)
+        return PathChoice(NAME, False, f"{problem}; aten's op sequences instead", SETTING)
+    return PathChoice(
+        NAME,
+        True,
+        "RMSNorm (with its residual add) and MoE routing as one native op each "
+        f"({extension.isa()}; checked against aten's ops and batch-invariant at start-up, "
+        f"{time.monotonic() - started:.2f} s)",
+        SETTING,
+    )

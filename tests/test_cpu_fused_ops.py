@@ -1,0 +1,276 @@
+"""The fused CPU ops (service/engine/native/fused_ops.cpp) and their use by the models.
+
+- RMSNorm (with the residual add before it) and MoE routing compute what the aten sequences they
+  replace compute: the residual sum exactly, the norms to float32 rounding (16-bit: one rounding),
+  the router's choices exactly and its weights to the same;
+- a [W, H] weight gives each row its own (the scripted decode's q and k heads side by side), the
+  same bits as one call per head;
+- a row's values do not depend on the batch, threads splitting rows or not; the AVX-512, AVX2
+  and portable copies agree bitwise (each where this CPU has it);
+- a NaN row routes to valid experts and harms no other row; ties go to the lower expert; bad
+  arguments are refused with the op's name;
+- models built with them (BuildOptions.cpu_fused_ops) keep the routers unpacked for the op, and
+  match transformers as the aten-built ones do (the scripted decode stays bitwise the eager one:
+  tests/test_scripted_decode.py);
+- NIM_CPU_FUSED_OPS: off keeps aten's ops (and says so), auto takes the fused ops (and says
+  why), and a failed start-up check falls back with its reason in the log.
+
+Skipped, with the reason, where the extension cannot be built (no g++ or ninja).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from service.engine.models.attention import CausalAttention
+from service.engine.models.base import BuildOptions
+from service.engine.models.cpu_linear import PackedLinear
+from service.engine.models.loader import build_model, load_hf_dir
+from service.engine.models.moe import SparseMoeBlock
+from service.engine.native import extension, fused_ops
+from service.engine.torch import cpu_fused_ops
+from tests.test_model_moe import _hf_model
+from tests.test_tensor_parallel_serving import _distinct_tokens
+
+PROBLEM = extension.problem()
+pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# How far from aten's sequences: float32 sums in another order; 16-bit outputs one rounding.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inputs(rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator) * torch.logspace(-2, 2, rows)[:, None]
+    residual = torch.randn(rows, width, generator=generator)
+    weight = torch.rand(width, generator=generator) + 0.5
+    return x, residual, weight
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    return float(((got.float() - want.float()).abs() / scale).max())
+
+
+def _aten_route(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMoeBlock.route's aten sequence."""
+    probs = F.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("width", [64, 200, 576])
+def test_the_norms_compute_atens_sequence(dtype: torch.dtype, width: int) -> None:
+    x, residual, weight = (t.to(dtype) for t in _inputs(9, width))
+    want = weight * F.rms_norm(x, (width,), eps=1e-6)
+    assert _relative_error(fused_ops.rms_norm(x, weight, 1e-6), want) <= TOLERANCE[dtype]
+    normed, summed = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, fused_ops.rms_norm(summed, weight, 1e-6))
+    # any leading dimensions, and a non-contiguous view (the scripted decode's q and k heads)
+    heads = x.view(9, -1, 8) if width % 8 == 0 else x.view(9, 1, width)
+    got = fused_ops.rms_norm(heads.transpose(0, 1), weight[: heads.shape[-1]], 1e-6)
+    assert torch.equal(
+        got, fused_ops.rms_norm(heads.transpose(0, 1).contiguous(), weight[: heads.shape[-1]], 1e-6)
+    )
+
+
+def test_a_weight_row_per_head_is_one_call_per_head() -> None:
+    """The scripted decode norms Qwen3's adjacent q and k heads in one call with a [Hq + Hkv, D]
+    weight; the eager layer norms q and k apart: the same bits."""
+    generator = torch.Generator().manual_seed(1)
+    q, k = torch.randn(5, 4, 32, generator=generator), torch.randn(5, 2, 32, generator=generator)
+    q_weight, k_weight = torch.rand(32, generator=generator), torch.rand(32, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        qk = torch.cat([q, k], dim=1).to(dtype)
+        table = torch.cat([q_weight.expand(4, -1), k_weight.expand(2, -1)]).to(dtype)
+        together = fused_ops.rms_norm(qk, table, 1e-6)
+        assert torch.equal(together[:, :4], fused_ops.rms_norm(q.to(dtype), q_weight.to(dtype), 1e-6))
+        assert torch.equal(together[:, 4:], fused_ops.rms_norm(k.to(dtype), k_weight.to(dtype), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_are_computed_alike_at_any_batch(dtype: torch.dtype) -> None:
+    """400 rows of 576: split across threads; one row alone: not. The same bits either way."""
+    x, residual, weight = (t.to(dtype) for t in _inputs(400, 576))
+    gate = (torch.randn(64, 576, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
+    tokens = torch.randn(400, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    normed, summed = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    weights, ids = fused_ops.route(tokens, gate, 6, True)
+    for rows, first in ((1, 0), (1, 399), (3, 17), (130, 200)):
+        part = slice(first, first + rows)
+        alone, alone_sum = fused_ops.add_rms_norm(x[part], residual[part], weight, 1e-6)
+        assert torch.equal(alone, normed[part]) and torch.equal(alone_sum, summed[part])
+        alone_weights, alone_ids = fused_ops.route(tokens[part], gate, 6, True)
+        assert torch.equal(alone_weights, weights[part]) and torch.equal(alone_ids, ids[part])
+
+
+# Inputs come from the parent: torch's own random kernels follow ATEN_CPU_CAPABILITY too.
+_ISA_SCRIPT = """
+import json, sys, torch
+from service.engine.native import extension, fused_ops
+assert extension.problem() is None, extension.problem()
+x, w, gate = torch.load(sys.argv[1])
+out = {"isa": extension.isa()}
+for dtype in (torch.float32, torch.bfloat16):
+    xs, ws, gs = x.to(dtype), w.to(dtype), gate.to(dtype)
+    weights, ids = fused_ops.route(xs, gs, 4, True)
+    values = [fused_ops.rms_norm(xs, ws, 1e-5), fused_ops.add_rms_norm(xs, xs.flip(0), ws, 1e-5)[0], weights]
+    out[str(dtype)] = [v.float().view(torch.int32).tolist() for v in values] + [ids.tolist()]
+json.dump(out, sys.stdout)
+"""
+
+
+def _outputs_under(capability: str | None, inputs: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    done = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT, str(inputs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result: dict = json.loads(done.stdout)
+    return result
+
+
+def test_the_instruction_sets_agree_bitwise(tmp_path: Path) -> None:
+    """ATEN_CPU_CAPABILITY lowers the instructions the ops run (isa.h): each level this CPU has
+    gives the same bits."""
+    generator = torch.Generator().manual_seed(7)
+    inputs = tmp_path / "inputs.pt"
+    torch.save([torch.randn(33, 200, generator=generator), torch.rand(200, generator=generator) + 0.5,
+                torch.randn(16, 200, generator=generator) * 0.1], inputs)  # fmt: skip
+    runs = [_outputs_under(capability, inputs) for capability in (None, "avx2", "default")]
+    isas = {run.pop("isa") for run in runs}
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs the ops on one instruction set only ({isas})")
+    assert runs[0] == runs[1] == runs[2], isas
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["renormalised", "raw"])
+def test_the_router_chooses_atens_experts(dtype: torch.dtype, normalize: bool) -> None:
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randn(40, 96, generator=generator).to(dtype)
+    gate = (torch.randn(24, 96, generator=generator) * 0.2).to(dtype)
+    weights, ids = fused_ops.route(tokens, gate, 5, normalize)
+    want_weights, want_ids = _aten_route(tokens, gate, 5, normalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    # bf16 logits tie now and then; the op puts the lower expert first, aten's topk either one
+    ids, order = ids.sort(-1)
+    want_ids, want_order = want_ids.sort(-1)
+    assert torch.equal(ids, want_ids)
+    assert _relative_error(weights.gather(-1, order), want_weights.gather(-1, want_order)) <= TOLERANCE[dtype]
+
+
+def test_a_nan_row_routes_to_valid_experts_and_harms_no_other() -> None:
+    """A NaN token (a poisoned activation) must not index past the experts in the MoE op."""
+    generator = torch.Generator().manual_seed(5)
+    tokens, gate = torch.randn(4, 32, generator=generator), torch.randn(8, 32, generator=generator)
+    clean_weights, clean_ids = fused_ops.route(tokens, gate, 3, True)
+    tokens[1, 7] = float("nan")
+    weights, ids = fused_ops.route(tokens, gate, 3, True)
+    assert ((ids >= 0) & (ids < 8)).all() and len(set(ids[1].tolist())) == 3
+    assert torch.isnan(weights[1]).all()
+    others = [0, 2, 3]
+    assert torch.equal(weights[others], clean_weights[others]) and torch.equal(ids[others], clean_ids[others])
+
+
+def test_tied_experts_go_to_the_lower_one() -> None:
+    gate = torch.zeros(6, 16)
+    gate[4] = 1.0
+    weights, ids = fused_ops.route(torch.ones(1, 16), gate, 3, True)
+    assert ids.tolist() == [[4, 0, 1]]
+    assert weights.sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fused_ops.route(torch.ones(2, 16), torch.ones(4, 16), 5, True), "top_k must be in"),
+        (lambda: fused_ops.route(torch.ones(2, 16), torch.ones(4, 8), 2, True), "the gate must be"),
+        (lambda: fused_ops.route(torch.ones(2, 16), torch.ones(4, 16).double(), 2, True), "the gate must be"),
+        (lambda: fused_ops.rms_norm(torch.ones(2, 16), torch.ones(8), 1e-6), "the weight must be"),
+        (lambda: fused_ops.rms_norm(torch.ones(2, 16), torch.ones(16).bfloat16(), 1e-6), "x's dtype"),
+        (
+            lambda: fused_ops.rms_norm(torch.ones(2, 16, dtype=torch.int32), torch.ones(16).int(), 1e-6),
+            "float32",
+        ),
+        (
+            lambda: fused_ops.add_rms_norm(torch.ones(2, 16), torch.ones(3, 16), torch.ones(16), 1e-6),
+            "residual",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_the_start_up_check_passes() -> None:
+    assert fused_ops.check() is None
+
+
+def test_the_setting_and_the_start_up_check_decide(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpu = torch.device("cpu")
+    chosen = cpu_fused_ops.choose(cpu, enabled=True)
+    assert chosen.used and extension.isa() in chosen.reason and chosen.setting == "NIM_CPU_FUSED_OPS=off"
+    chosen = cpu_fused_ops.choose(cpu, enabled=False)
+    assert not chosen.used and "off (NIM_CPU_FUSED_OPS=off)" in chosen.reason
+    assert not cpu_fused_ops.choose(torch.device("meta"), enabled=True).used
+    monkeypatch.setattr(fused_ops, "check", lambda: "the fused ops compute a row differently at batch 3")
+    with caplog.at_level(logging.WARNING):
+        chosen = cpu_fused_ops.choose(cpu, enabled=True)
+    assert not chosen.used and "batch 3; aten's op sequences instead" in chosen.reason
+    assert "norms and routing run aten's ops" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("fused") / "tiny-qwen3_moe"
+    _hf_model("qwen3_moe").save_pretrained(directory)
+    _distinct_tokens(directory)
+    return directory
+
+
+def test_a_model_built_with_them_matches_transformers(qwen3_moe: Path) -> None:
+    """Qwen3-MoE (q/k norms, routed and dense layers) with the fused ops: its routers stay plain
+    for the op, every other linear is packed, and its logits are transformers' (to 1e-4) as the
+    aten-built model's are."""
+    config, weights = load_hf_dir(qwen3_moe, "fp32")
+    model = build_model(
+        config, weights, torch.float32, "cpu", BuildOptions(prepack_cpu=True, cpu_fused_ops=True)
+    )
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(block.native and type(block.gate) is torch.nn.Linear for block in blocks)
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt in ([5, 17, 200, 3, 99, 42, 7], list(range(30, 60))):
+            ids = torch.tensor(prompt)
+            ours = model.compute_logits(model(ids, torch.arange(len(prompt)), CausalAttention()))
+            torch.testing.assert_close(ours, reference(ids[None]).logits[0].float(), atol=1e-4, rtol=1e-4)
