@@ -9,6 +9,7 @@
   and portable copies agree bitwise (each where this CPU has it);
 - a NaN row routes to valid experts and harms no other row; ties go to the lower expert; bad
   arguments are refused with the op's name;
+- the greedy sampler's fused argmax takes argmax's token and max's value (ties, -inf, NaN rows);
 - models built with them (BuildOptions.cpu_fused_ops) keep the routers unpacked for the op, and
   match transformers as the aten-built ones do (the scripted decode stays bitwise the eager one:
   tests/test_scripted_decode.py);
@@ -39,6 +40,7 @@ from service.engine.models.loader import build_model, load_hf_dir
 from service.engine.models.moe import SparseMoeBlock
 from service.engine.native import extension, fused_ops
 from service.engine.torch import cpu_fused_ops
+from service.engine.torch.sampler import greedy
 from tests.test_model_moe import _hf_model
 from tests.test_tensor_parallel_serving import _distinct_tokens
 
@@ -134,6 +136,7 @@ for dtype in (torch.float32, torch.bfloat16):
     weights, ids = fused_ops.route(xs, gs, 4, True)
     values = [fused_ops.rms_norm(xs, ws, 1e-5), fused_ops.add_rms_norm(xs, xs.flip(0), ws, 1e-5)[0], weights]
     out[str(dtype)] = [v.float().view(torch.int32).tolist() for v in values] + [ids.tolist()]
+out["greedy"] = fused_ops.greedy(x.round())[1].tolist()  # ties among the rounded values
 json.dump(out, sys.stdout)
 """
 
@@ -227,6 +230,26 @@ def test_tied_experts_go_to_the_lower_one() -> None:
 def test_bad_arguments_are_refused_by_name(call, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152, 49155])
+def test_greedy_takes_argmaxs_token(vocab: int) -> None:
+    """The first largest logit, as argmax: ties, -inf, a tail past whole SIMD blocks; a NaN row
+    gets NaN and a valid id, and harms no other row."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=generator).round()  # many ties
+    logits[1] = float("-inf")
+    logits[2, -1] = 1e9  # the largest in the tail
+    logits[3] = float("-inf")
+    logits[3, vocab // 2] = -5.0
+    logits[4, vocab // 3] = float("nan")
+    values, ids = fused_ops.greedy(logits)
+    clean = [row for row in range(9) if row != 4]
+    assert torch.equal(ids[clean], logits[clean].argmax(-1))
+    assert torch.equal(values[clean], logits[clean].amax(-1))
+    assert torch.isnan(values[4]) and 0 <= int(ids[4]) < vocab
+    sampled = greedy(logits, fused=True)
+    assert torch.equal(sampled[1][clean], greedy(logits)[1][clean])
 
 
 def test_the_start_up_check_passes() -> None:

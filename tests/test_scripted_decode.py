@@ -164,6 +164,7 @@ def test_scripted_decode_matches_eager_bitwise(
     try:
         fused_ops = {path.name: path.used for path in engine.info.paths}["cpu_fused_ops"]
         assert fused_ops == (variant != "aten-ops" and extension.problem() is None)
+        assert engine.core.runner.fused_sampling == fused_ops  # the greedy argmax too
         if architecture == "mixtral":  # its experts all in one W4A8 call where the kernel builds
             blocks = [m for m in engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
             fused = [block.experts.fused is not None for block in blocks]

@@ -1,6 +1,7 @@
-// Fused CPU ops for the small steps of a decode layer: RMSNorm (with the residual add before it)
-// and a MoE layer's routing. Each stands for a sequence of aten ops (named at each op) and
-// computes what that sequence computes, in float32, rounding where its ops' outputs round.
+// Fused CPU ops for the small steps of a decode step: RMSNorm (with the residual add before it),
+// a MoE layer's routing and the greedy sampler's argmax. Each stands for a sequence of aten ops
+// (named at each op) and computes what that sequence computes, in float32, rounding where its
+// ops' outputs round (the argmax exactly: its max and first index are the same in any order).
 //
 // Why: at one stream a decode step is a few hundred small ops between the weight-streaming
 // matmuls. After a matmul has streamed megabytes of weights, each small aten op pays again for
@@ -23,9 +24,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "isa.h"
 
@@ -41,24 +45,38 @@ inline float rounded(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// sum(a[i] * b[i]) over n elements, in lanes (see the header). n need not be a multiple of 16.
-#define NIM_DOT(NAME, TARGET)                                                 \
-  TARGET float NAME(const float* a, const float* b, int64_t n) {             \
-    float lanes[kLanes] = {0.f};                                              \
-    const int64_t whole = n - n % kLanes;                                     \
-    for (int64_t i = 0; i < whole; i += kLanes)                               \
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];   \
-    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += a[i] * b[i];      \
-    float sum = 0.f;                                                          \
-    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                     \
-    return sum;                                                               \
+// A stored value as float32: bf16 by its bits (a shift the compiler vectorises), others by cast.
+inline float widened(float v) { return v; }
+inline float widened(double v) { return static_cast<float>(v); }
+inline float widened(c10::Half v) { return static_cast<float>(v); }
+inline float widened(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// sum(a[i] * b[i]) over n elements, b widened to float32 as it is read, in lanes (see the
+// header). n need not be a multiple of 16.
+#define NIM_DOT(NAME, TARGET)                                                               \
+  template <typename T>                                                                     \
+  TARGET float NAME(const float* a, const T* b, int64_t n) {                                \
+    float lanes[kLanes] = {0.f};                                                            \
+    const int64_t whole = n - n % kLanes;                                                   \
+    for (int64_t i = 0; i < whole; i += kLanes)                                             \
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * widened(b[i + j]);        \
+    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += a[i] * widened(b[i]);           \
+    float sum = 0.f;                                                                        \
+    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                   \
+    return sum;                                                                             \
   }
 
 NIM_DOT(dot_avx512, __attribute__((target("avx512f"))))
 NIM_DOT(dot_avx2, __attribute__((target("avx2"))))
 NIM_DOT(dot_portable, )
 
-inline float dot(int64_t isa, const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(int64_t isa, const float* a, const T* b, int64_t n) {
   if (isa == 2) return dot_avx512(a, b, n);
   if (isa == 1) return dot_avx2(a, b, n);
   return dot_portable(a, b, n);
@@ -66,7 +84,7 @@ inline float dot(int64_t isa, const float* a, const float* b, int64_t n) {
 
 template <typename T>
 inline void widen(const T* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = widened(src[i]);
 }
 
 inline int64_t grain_for(int64_t work_per_row) {
@@ -157,9 +175,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 template <typename T>
 void route_rows(int64_t isa, const T* x, const T* gate, int64_t tokens, int64_t hidden, int64_t experts,
                 int64_t top_k, bool normalize, T* weights, int64_t* ids) {
-  // The gate widened once a call, shared by the threads (experts x hidden floats).
-  std::vector<float> gf(experts * hidden);
-  widen(gate, experts * hidden, gf.data());
   at::parallel_for(0, tokens, grain_for(experts * hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> xf(hidden), probs(experts), chosen(top_k);
     std::vector<char> taken(experts);
@@ -167,7 +182,7 @@ void route_rows(int64_t isa, const T* x, const T* gate, int64_t tokens, int64_t 
       widen(x + t * hidden, hidden, xf.data());
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t e = 0; e < experts; ++e) {
-        probs[e] = rounded<T>(dot(isa, xf.data(), gf.data() + e * hidden, hidden));
+        probs[e] = rounded<T>(dot(isa, xf.data(), gate + e * hidden, hidden));
         top = std::max(top, probs[e]);
       }
       float sum = 0.f;
@@ -216,6 +231,108 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& input, const at::Tens
   return {weights, ids};
 }
 
+// The largest of n values and the first index holding it (argmax: exact, so any split of the
+// work gives the same answer), and whether any value is NaN. Each SIMD lane keeps the largest
+// value it saw and where it first saw it (a later equal value does not replace it); then the
+// largest over the lanes, at the lowest index holding it; then the tail.
+struct ArgMax {
+  float top;
+  int64_t first;
+  bool nan;
+};
+
+inline ArgMax finish_argmax(const float* best, const int32_t* at, int64_t lanes, bool nan, const float* x,
+                            int64_t from, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t first = -1;
+  for (int64_t j = 0; j < lanes; ++j) {
+    if (at[j] < 0) continue;  // a lane that saw only -inf (or nothing)
+    if (best[j] > top || (best[j] == top && at[j] < first)) {
+      top = best[j];
+      first = at[j];
+    }
+  }
+  for (int64_t i = from; i < n; ++i) {  // after every lane's index: only a larger value moves it
+    nan |= x[i] != x[i];
+    if (x[i] > top) {
+      top = x[i];
+      first = i;
+    }
+  }
+  if (first < 0) first = 0;  // every value -inf (or NaN): argmax's first
+  return {top, first, nan};
+}
+
+__attribute__((target("avx512f"))) ArgMax argmax_avx512(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_set1_epi32(-1);
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  const int64_t whole = n - n % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, more, v);
+    at = _mm512_mask_mov_epi32(at, more, index);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    index = _mm512_add_epi32(index, step);
+  }
+  alignas(64) float lanes[16];
+  alignas(64) int32_t where[16];
+  _mm512_store_ps(lanes, best);
+  _mm512_store_si512(where, at);
+  return finish_argmax(lanes, where, 16, nan != 0, x, whole, n);
+}
+
+__attribute__((target("avx2"))) ArgMax argmax_avx2(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 at = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_setzero_ps();
+  const int64_t whole = n - n % 8;
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 more = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, more);
+    at = _mm256_blendv_ps(at, _mm256_castsi256_ps(index), more);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    index = _mm256_add_epi32(index, step);
+  }
+  alignas(32) float lanes[8];
+  alignas(32) int32_t where[8];
+  _mm256_store_ps(lanes, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(where), _mm256_castps_si256(at));
+  return finish_argmax(lanes, where, 8, _mm256_movemask_ps(nan) != 0, x, whole, n);
+}
+
+ArgMax argmax_portable(const float* x, int64_t n) {
+  return finish_argmax(nullptr, nullptr, 0, false, x, 0, n);
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() == 2 && input.device().is_cpu() && input.scalar_type() == at::kFloat && input.size(1) > 0 &&
+                  input.size(1) < (int64_t{1} << 31), "greedy: logits must be a 2-D float32 CPU tensor with a vocabulary");
+  const at::Tensor logits = input.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1), isa = nim_cpu_isa();
+  at::Tensor values = at::empty({rows}, logits.options());
+  at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_for(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * vocab;
+      const ArgMax found = isa == 2 ? argmax_avx512(row, vocab) : isa == 1 ? argmax_avx2(row, vocab)
+                                                                           : argmax_portable(row, vocab);
+      v[r] = found.nan ? std::numeric_limits<float>::quiet_NaN() : found.top;
+      id[r] = found.nan ? 0 : found.first;
+    }
+  });
+  return {values, ids};
+}
+
 }  // namespace
 
 // The ops' schemas are declared in Python (fused_ops.py); these are their CPU implementations.
@@ -223,4 +340,5 @@ TORCH_LIBRARY_IMPL(nim_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("route", &route);
+  m.impl("greedy", &greedy);
 }

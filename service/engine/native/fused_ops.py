@@ -1,5 +1,5 @@
-"""Fused CPU ops for a decode layer's small steps (fused_ops.cpp): RMSNorm, with the residual add
-before it, and MoE routing, each one op where aten runs a sequence.
+"""Fused CPU ops for a decode step's small steps (fused_ops.cpp): RMSNorm, with the residual add
+before it, MoE routing and the greedy sampler's argmax, each one op where aten runs a sequence.
 
 At one stream a decode step is a few hundred small ops between the weight-streaming matmuls, and
 after each matmul the small ops' dispatch and kernel code have left the caches: RMSNorm of one
@@ -27,6 +27,7 @@ extension.define(
         "add_rms_norm": "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) "
         "-> (Tensor, Tensor)",
         "route": "route(Tensor x, Tensor gate, int top_k, bool normalize) -> (Tensor, Tensor)",
+        "greedy": "greedy(Tensor logits) -> (Tensor, Tensor)",
     }
 )
 
@@ -49,6 +50,13 @@ def route(x: Tensor, gate: Tensor, top_k: int, normalize: bool) -> tuple[Tensor,
     [T, top_k] int64) from the router's weight [experts, hidden]."""
     weights, ids = torch.ops.nim_cpu.route(x, gate, top_k, normalize)
     return weights, ids
+
+
+def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """sampler.greedy: [B, V] float32 -> ([B] largest values, [B] the first id holding each, as
+    argmax); a row holding a NaN gets NaN (and id 0)."""
+    values, ids = torch.ops.nim_cpu.greedy(logits)
+    return values, ids
 
 
 def _aten_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -106,4 +114,22 @@ def check() -> str | None:
                     and torch.equal(route(ts[part], g, _TOP_K, True)[0], weights[part])
                 ):
                     return f"the fused ops compute a row differently at batch {rows} ({dtype})"
+    return _greedy_problem(generator)
+
+
+def _greedy_problem(generator: torch.Generator) -> str | None:
+    """None where `greedy` takes argmax's ids and max's values: ties (the first), -inf, a NaN row."""
+    logits = torch.randn(_ROWS, 3 * _WIDTH + 5, generator=generator)
+    logits[1, 7] = logits[1, 400] = logits[1].max() + 1  # a tie: the first
+    logits[2] = float("-inf")
+    logits[3, 9] = float("nan")
+    values, ids = greedy(logits)
+    clean = [row for row in range(_ROWS) if row != 3]
+    if not (
+        torch.equal(ids[clean], logits[clean].argmax(-1))
+        and torch.equal(values[clean], logits[clean].amax(-1))
+    ):
+        return "the fused greedy takes other tokens than argmax"
+    if not (torch.isnan(values[3]) and 0 <= int(ids[3]) < logits.shape[1]):
+        return "the fused greedy does not mark a NaN row"
     return None

@@ -299,6 +299,8 @@ void tile_rows(int64_t isa, const uint8_t* w, const c10::Half* sm, const int8_t*
 
 // Weight bytes one thread should have at least before a call is split across threads.
 constexpr int64_t kBytesPerThread = 32 * 1024;
+// Elements of elementwise work one thread should have before it is split across threads.
+constexpr int64_t kElementsPerThread = 16 * 1024;
 
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, int64_t group, int64_t isa,
@@ -407,7 +409,8 @@ void moe_run(int64_t isa, const at::Tensor& x, const at::Tensor& expert_ids, con
   experts_projection<T>(isa, gu, gu_sm, starts, qp, hidden, gu_group, 2 * inter, gate_up.data());
   // SiLU(gate) * up, as F.silu then the product: each rounded to T
   std::vector<float> activated(pairs * inter);
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  // Elementwise: threads only where there is enough of it (waking them costs more at one token).
+  at::parallel_for(0, pairs, std::max<int64_t>(1, kElementsPerThread / inter), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* g = gate_up.data() + i * 2 * inter;
       float* a = activated.data() + i * inter;
@@ -421,7 +424,7 @@ void moe_run(int64_t isa, const at::Tensor& x, const at::Tensor& expert_ids, con
   // each token's choices: weighted (rounded to T), summed in choice order in float32, rounded once
   const T* w = weights.data_ptr<T>();
   T* y = out.data_ptr<T>();
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, kElementsPerThread / (top_k * hidden)), [&](int64_t begin, int64_t end) {
     std::vector<float> sum(hidden);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(sum.begin(), sum.end(), 0.f);

@@ -163,6 +163,7 @@ class TorchEngineCore:
             followers=tp_group,
             lora=lora_slots,
             grammars=self.grammar_compiler if info.features.guided_decoding else None,
+            fused_sampling=any(path.name == "cpu_fused_ops" and path.used for path in info.paths),
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

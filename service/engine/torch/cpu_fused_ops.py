@@ -5,8 +5,9 @@ Chosen where the model is on the CPU, NIM_CPU_FUSED_OPS is auto, the native CPU 
 builds here (native/extension.py) and its start-up check passes (native/fused_ops.check: the ops
 against the aten sequences they replace, every row alike at any batch size). Then every
 Llama-family RMSNorm (with the residual add before it) and every MoE layer's routing is one op
-(BuildOptions.cpu_fused_ops), in eager modules and the scripted decode alike; else aten's ops.
-Gemma 3's norms (1 + w, one rounding) keep aten's.
+(BuildOptions.cpu_fused_ops), in eager modules and the scripted decode alike, and so is the greedy
+sampler's argmax (ModelRunner.fused_sampling: the same ids and values); else aten's ops. Gemma 3's
+norms (1 + w, one rounding) keep aten's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def choose(device: torch.device, enabled: bool) -> PathChoice:
     return PathChoice(
         NAME,
         True,
-        "RMSNorm (with its residual add) and MoE routing as one native op each "
+        "RMSNorm (with its residual add), MoE routing and the greedy argmax as one native op each "
         f"({extension.isa()}; checked against aten's ops and batch-invariant at start-up, "
         f"{time.monotonic() - started:.2f} s)",
         SETTING,

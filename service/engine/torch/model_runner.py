@@ -110,10 +110,12 @@ class ModelRunner:
         followers: Followers | None = None,
         lora: LoraSlots | None = None,
         grammars: Callable[[], GrammarCompiler] | None = None,
+        fused_sampling: bool = False,
     ) -> None:
         if followers is not None and path.graphs is not None:
             raise ValueError("tensor-parallel ranks run decode steps eagerly, not as CUDA graphs")
         self.model = model
+        self.fused_sampling = fused_sampling  # the greedy argmax as a fused CPU op (sampler.greedy)
         self.followers = followers  # tensor parallelism: the other ranks, sent each plan first
         self.path = path  # how decode steps run (decided when the engine was built)
         self.pool = pool
@@ -237,7 +239,7 @@ class ModelRunner:
         else:
             picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
         self._constrain(picked, request_ids, states, failed)
-        sampled = sample(picked, [state.row() for state in states])
+        sampled = sample(picked, [state.row() for state in states], self.fused_sampling)
         for request_id, state, token in zip(request_ids, states, sampled, strict=True):
             if request_id in failed:
                 continue

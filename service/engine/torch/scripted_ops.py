@@ -125,7 +125,7 @@ def attend(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     data = pool.view(2, num_kv_heads, -1, head_dim)
-    data[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
+    data.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
     if block_ids is None:
         both = pool.view(2, num_kv_heads, -1, block_size, head_dim)[
             :, :, run_first : run_first + run_count
