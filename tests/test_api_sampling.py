@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, embedded_default_precision
+from service.host import cpu_has_fast_bf16
+from tests.conftest import EMBEDDED_NAME
 
 STORY = [{"role": "user", "content": "Write a short story about a cat who learns to fly."}]
 # A question whose greedy answer has a clear margin at every token (over 1 nat), so it is the
@@ -219,6 +220,7 @@ def test_engine_metrics_are_exposed(base_url: str) -> None:
     ):
         assert any(line.startswith(name) for line in text.splitlines()), name
     info = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
-    # An auto KV cache holds the activation dtype: bfloat16 beside int4 weights, float32 in fp32.
-    activations = "float32" if embedded_default_precision() == "fp32" else "bfloat16"
+    # An auto KV cache holds the activation dtype: bfloat16 where the CPU has bf16 instructions
+    # (int4 weights), float32 where it lacks them (fp32 or int4 weights alike).
+    activations = "bfloat16" if cpu_has_fast_bf16() else "float32"
     assert 'block_size="16"' in info and "num_gpu_blocks=" in info and f'cache_dtype="{activations}"' in info

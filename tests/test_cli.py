@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from service.host import cpu_has_fast_bf16
 from service.selection.manifests import find_manifest, load_manifests
 from service.selection.system_info import SystemInfo
 from tests.conftest import (
@@ -75,8 +76,11 @@ def test_list_model_profiles_for_the_embedded_model() -> None:
         f"selected torch-generic-{precision}-tp1-pp1-throughput" in explanation
         and f"lowest runnable precision ({precision}, native" in explanation
     )
-    slow_bf16 = "bf16, int4_wo, int8_wo ranked last: this CPU has no avx512_bf16 or amx_bf16"
-    assert (slow_bf16 in explanation) == (precision == "fp32")
+    # Without bf16 instructions: bf16 and aten's int kernels ranked last, int4_wo too where its
+    # W4A8 kernel cannot run (conftest.embedded_default_precision).
+    slow = "int8_wo ranked last: this CPU has no avx512_bf16 or amx_bf16"
+    assert (slow in explanation) == (not cpu_has_fast_bf16())
+    assert ("bf16, int4_wo, int8_wo ranked last" in explanation) == (precision == "fp32")
     assert "tensor parallelism on the CPU runs only when NIM_TENSOR_PARALLEL_SIZE=N" in explanation
     runnable = out.split("Compatible with system and runnable:")[1].split("Compatible with system but")[0]
     fp8 = next(line for line in runnable.splitlines() if "torch-generic-fp8-" in line)

@@ -332,11 +332,20 @@ def test_the_engine_computes_in_what_nim_dtype_names_over_int8_weights() -> None
 def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profile_type(
     manifests, flags
 ) -> None:
-    # Measured (bench/README.md "CPU precisions by measurement"): without bf16 instructions the
+    # Measured (bench/README.md "CPU precisions by measurement"): without bf16 instructions aten's
     # weight-only int kernels are ~2x fp32 at batch 1 and slower at batch 32; bf16 is slower at both.
+    # (No f16c here, or NIM_CPU_INT4_KERNEL=weight-only: int4_wo runs aten's kernel.)
     m = manifest(manifests, "embedded")
     host = system("cpu_only")
     plain = with_isa_flags(host, ("sse4_2", "fma", *flags))
+    assert (
+        select(
+            m,
+            with_isa_flags(host, ("sse4_2", "fma", "f16c", *flags)),
+            dataclasses.replace(TORCH_ONLY, w4a8_int4=False),
+        ).chosen.profile.precision
+        == "fp32"
+    )
     throughput = select(m, plain, TORCH_ONLY)
     assert throughput.chosen.profile.precision == "fp32"
     assert "measured slower than fp32 at batch 32" in throughput.explanation[0]
@@ -347,6 +356,22 @@ def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profil
     assert "weight-only int ranked first for latency" in latency.explanation[0]
     # With bf16 instructions int4_wo leads for either profile type.
     assert select(m, host, TORCH_ONLY).chosen.profile.precision == "int4_wo"
+
+
+@pytest.mark.parametrize(
+    "flags", [("avx2",), ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")], ids=["avx2", "avx512"]
+)
+def test_int4_keeps_its_place_where_the_w4a8_kernel_runs(manifests, flags) -> None:
+    """int4_wo on the W4A8 kernel (integer sums, no bf16) was measured ahead of fp32 at 1, 8 and
+    32 streams on AVX2 (bench/README.md "int4 layers on integer dot products"): on a CPU with its
+    instructions (AVX2, FMA, F16C) it stays first for throughput; bf16 and int8_wo stay last."""
+    m = manifest(manifests, "embedded")
+    host = with_isa_flags(system("cpu_only"), ("sse4_2", "fma", "f16c", *flags))
+    chosen = select(m, host, TORCH_ONLY)
+    assert chosen.chosen.profile.precision == "int4_wo"
+    assert "int4_wo kept in its place on this CPU without bf16 instructions" in chosen.explanation[0]
+    assert "NIM_CPU_INT4_KERNEL=weight-only ranks it with int8_wo" in chosen.explanation[0]
+    assert "bf16, int8_wo ranked last" in chosen.explanation[0]
 
 
 def test_an_amx_cpu_keeps_int4_first_and_says_what_bf16_would_trade(manifests) -> None:

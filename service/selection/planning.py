@@ -74,6 +74,7 @@ def policy_for(settings: Settings, config: ModelConfig | None = None) -> Policy:
         tensor_parallel_size=settings.tensor_parallel_size,
         precision=settings.quantization
         or (None if settings.dtype == "auto" else PRECISION_TAGS[settings.dtype]),
+        w4a8_int4=settings.cpu_int4_kernel == "auto",
     )
 
 

@@ -66,6 +66,9 @@ class Policy:
     # Why the model cannot be sharded over N torch ranks (None: it can; ModelConfig's rule), where
     # its config is known before its files are fetched; None: not checked until the engine loads.
     tensor_parallel_refusal: Callable[[int], str | None] | None = None
+    # NIM_CPU_INT4_KERNEL=auto: int4_wo on the CPU runs the W4A8 kernel where the CPU has its
+    # instructions (service/engine/torch/int4_kernel.py), which changes how int4_wo ranks there.
+    w4a8_int4: bool = True
 
 
 @dataclass(frozen=True)
@@ -246,17 +249,32 @@ def _check_memory(profile: Profile, arch: Architecture, system: SystemInfo, poli
 
 
 _FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What the W4A8 kernel's AVX2 path needs (native/isa.h); every AVX-512 CPU has them too.
+_W4A8_FLAGS = ("avx2", "fma", "f16c")
+
+
+def _w4a8_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
+    """Whether int4_wo would run the W4A8 kernel on this CPU (NIM_CPU_INT4_KERNEL=auto and its
+    instructions present; without a compiler the engine falls back to aten's kernel, logged)."""
+    return (
+        profile.precision == "int4_wo"
+        and policy.w4a8_int4
+        and not system.gpus
+        and set(_W4A8_FLAGS) <= set(system.cpu.isa_flags)
+    )
 
 
 def _slow_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
     """Measured on CPUs without bf16 instructions (AVX2 and AVX-512 alike; bench/README.md "CPU
-    precisions by measurement"): bf16 runs slower than fp32 at every batch size; the weight-only
-    int kernels (bf16 inside, fp32 around them) are about 2x faster than fp32 at batch 1 but
-    1.4-1.9x slower at batch 32. Selection ranks them last there for throughput, and lets them
-    lead for latency."""
+    precisions by measurement"): bf16 runs slower than fp32 at every batch size; aten's
+    weight-only int kernels (bf16 inside, fp32 around them) are about 2x faster than fp32 at batch
+    1 but 1.4-1.9x slower at batch 32. Selection ranks them last there for throughput, and lets
+    them lead for latency. int4_wo on the W4A8 kernel (integer sums, no bf16) was measured ahead
+    of fp32 at 1, 8 and 32 streams on AVX2 (bench/README.md "int4 layers on integer dot
+    products"): it keeps its place wherever that kernel runs."""
     spec = PRECISION_SPECS[profile.precision]
     fast_bf16 = bool(set(_FAST_BF16_FLAGS) & set(system.cpu.isa_flags))
-    if system.gpus or fast_bf16 or not spec.cpu_wants_bf16:
+    if system.gpus or fast_bf16 or not spec.cpu_wants_bf16 or _w4a8_here(profile, system, policy):
         return False
     return not (spec.weight_only and policy.profile_type == "latency")
 
@@ -411,12 +429,20 @@ def _why_first(chosen: Verdict, runnable: Sequence[Verdict], system: SystemInfo,
         parts.append(f"built for this GPU ({p.gpu.upper()})")
     parts.append(f"lowest runnable precision ({p.precision}, {chosen.mode_note})")
     demoted = sorted({v.profile.precision for v in runnable if _slow_here(v.profile, system, policy)})
+    fast_bf16 = bool(set(_FAST_BF16_FLAGS) & set(system.cpu.isa_flags))
+    if not fast_bf16 and any(_w4a8_here(v.profile, system, policy) for v in runnable):
+        parts.append(
+            "int4_wo kept in its place on this CPU without bf16 instructions: its W4A8 kernel "
+            "(activations rounded to int8, integer dot products) was measured ahead of fp32 at 1, 8 "
+            "and 32 streams (NIM_CPU_INT4_KERNEL=weight-only ranks it with int8_wo)"
+        )
     if demoted:
-        latency = " (NIM_PROFILE_TYPE=latency ranks int4_wo and int8_wo first: 2x fp32 at batch 1)"
+        int_demoted = [precision for precision in demoted if PRECISION_SPECS[precision].weight_only]
+        latency = f" (NIM_PROFILE_TYPE=latency ranks {' and '.join(int_demoted)} first: 2x fp32 at batch 1)"
         parts.append(
             f"{', '.join(demoted)} ranked last: this CPU has no {' or '.join(_FAST_BF16_FLAGS)}, "
             "without which they were measured slower than fp32 at batch 32"
-            + (latency if policy.profile_type == "throughput" else "")
+            + (latency if policy.profile_type == "throughput" and int_demoted else "")
         )
     if (
         not system.gpus
