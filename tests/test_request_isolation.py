@@ -89,11 +89,11 @@ def _poisoned_filtered_probs(original):
 
 
 def _nan_for_victim(original):
-    def sample(logits: torch.Tensor, rows):
+    def sample(logits: torch.Tensor, rows, fused: bool = False):
         for i, row in enumerate(rows):
             if row.params.seed == POISON_SEED:
                 logits[i, 7] = float("nan")
-        return original(logits, rows)
+        return original(logits, rows, fused)
 
     return sample
 
@@ -242,14 +242,14 @@ def test_a_request_whose_keys_turned_nan_leaves_no_trace(
     original = model_runner.sample
     poisoned_blocks: list[int] = []
 
-    def sample(logits: torch.Tensor, rows):
+    def sample(logits: torch.Tensor, rows, fused: bool = False):
         for i, row in enumerate(rows):
             if row.params.seed == POISON_SEED:
                 poisoned_blocks[:] = [block.block_id for block in engine.core.kv.block_tables["victim"]]
                 for layer in engine.core.kv_pool.data:
                     layer[:, :, poisoned_blocks] = float("nan")
                 logits[i, 0] = float("nan")
-        return original(logits, rows)
+        return original(logits, rows, fused)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     failed = run_all(engine, [victim])["victim"].outputs[-1]
