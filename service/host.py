@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -23,6 +24,13 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+@functools.cache
+def cxx_compiler_found() -> bool:
+    """Whether the C++ compiler torch.utils.cpp_extension runs by default (`c++`) is on PATH: the
+    native CPU ops (service/engine/native) are built with it on first use."""
+    return shutil.which("c++") is not None
 
 
 def cpu_has_fast_bf16() -> bool:

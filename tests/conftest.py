@@ -32,12 +32,12 @@ READY_TIMEOUT_S = 180
 
 def embedded_default_precision() -> str:
     """The embedded model's default profile's precision on this machine: its Q4_1 blocks as int4
-    where the CPU has bf16 instructions or the W4A8 kernel's (AVX2, FMA, F16C), fp32 where it has
-    neither (aten's int kernels are slower than fp32 there at batch 32: service/selection/
-    profiles.py ranks them last for throughput, the default profile type)."""
-    from service.host import cpu_flags, cpu_has_fast_bf16
+    where the CPU has bf16 instructions or the W4A8 kernel's (AVX2, FMA, F16C, and a compiler to
+    build it), fp32 where it has neither (aten's int kernels are slower than fp32 there at batch
+    32: service/selection/profiles.py ranks them last for throughput, the default profile type)."""
+    from service.host import cpu_flags, cpu_has_fast_bf16, cxx_compiler_found
 
-    w4a8 = {"avx2", "fma", "f16c"} <= cpu_flags()
+    w4a8 = {"avx2", "fma", "f16c"} <= cpu_flags() and cxx_compiler_found()
     return "int4_wo" if cpu_has_fast_bf16() or w4a8 else "fp32"
 
 

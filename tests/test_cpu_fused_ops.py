@@ -131,7 +131,7 @@ from service.engine.native import extension, fused_ops
 assert extension.problem() is None, extension.problem()
 x, w, gate = torch.load(sys.argv[1])
 out = {"isa": extension.isa()}
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
     xs, ws, gs = x.to(dtype), w.to(dtype), gate.to(dtype)
     weights, ids = fused_ops.route(xs, gs, 4, True)
     values = [fused_ops.rms_norm(xs, ws, 1e-5), fused_ops.add_rms_norm(xs, xs.flip(0), ws, 1e-5)[0], weights]
@@ -225,6 +225,12 @@ def test_tied_experts_go_to_the_lower_one() -> None:
             lambda: fused_ops.add_rms_norm(torch.ones(2, 16), torch.ones(3, 16), torch.ones(16), 1e-6),
             "residual",
         ),
+        (lambda: fused_ops.rms_norm(torch.ones(6, 16), torch.ones(4, 16), 1e-6), r"a \[W, H\] weight needs"),
+        (
+            lambda: fused_ops.rms_norm(torch.ones(2, 3, 16), torch.ones(2, 16), 1e-6),
+            r"a \[W, H\] weight needs",
+        ),
+        (lambda: fused_ops.greedy(torch.ones(2, 16).bfloat16()), "float32"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(call, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -252,6 +258,29 @@ def test_greedy_takes_argmaxs_token(vocab: int) -> None:
     assert torch.equal(sampled[1][clean], greedy(logits)[1][clean])
 
 
+def test_empty_batches_and_strided_logits() -> None:
+    """No rows: empty results of the right shapes; logits that are a view (every other row)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        empty = torch.empty(0, 64, dtype=dtype)
+        assert fused_ops.rms_norm(empty, torch.ones(64, dtype=dtype), 1e-6).shape == (0, 64)
+        normed, summed = fused_ops.add_rms_norm(empty, empty, torch.ones(64, dtype=dtype), 1e-6)
+        assert normed.shape == summed.shape == (0, 64)
+        weights, ids = fused_ops.route(empty, torch.ones(8, 64, dtype=dtype), 2, True)
+        assert weights.shape == ids.shape == (0, 2)
+    values, ids = fused_ops.greedy(torch.empty(0, 100))
+    assert values.shape == ids.shape == (0,)
+    logits = torch.randn(10, 300, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(fused_ops.greedy(logits[::2])[1], logits[::2].argmax(-1))
+
+
+def test_infinite_logits_route_to_valid_experts() -> None:
+    tokens = torch.ones(2, 16)
+    gate = torch.zeros(6, 16)
+    gate[2], gate[5] = float("inf"), float("-inf")
+    _, ids = fused_ops.route(tokens, gate, 3, True)
+    assert ((ids >= 0) & (ids < 6)).all() and all(len(set(row)) == 3 for row in ids.tolist())
+
+
 def test_the_start_up_check_passes() -> None:
     assert fused_ops.check() is None
 
@@ -270,6 +299,15 @@ def test_the_setting_and_the_start_up_check_decide(
         chosen = cpu_fused_ops.choose(cpu, enabled=True)
     assert not chosen.used and "batch 3; aten's op sequences instead" in chosen.reason
     assert "norms and routing run aten's ops" in caplog.text
+
+    def raises() -> str | None:
+        raise RuntimeError("no kernel for this schema")
+
+    monkeypatch.setattr(fused_ops, "check", raises)
+    chosen = cpu_fused_ops.choose(cpu, enabled=True)  # a fallback, not a failed start
+    assert (
+        not chosen.used and "start-up check failed (RuntimeError: no kernel for this schema)" in chosen.reason
+    )
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +328,9 @@ def test_a_model_built_with_them_matches_transformers(qwen3_moe: Path) -> None:
     )
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(block.native and type(block.gate) is torch.nn.Linear for block in blocks)
+    # /v1/metadata says what runs fused: 3 layers' two norms, 3 x 2 q/k norms, the final one; 2 routers
+    reason = cpu_fused_ops.path(model, cpu_fused_ops.choose(torch.device("cpu"), enabled=True)).reason
+    assert reason.startswith("13 RMSNorms (with their residual adds), 2 MoE routers, the greedy argmax")
     assert any(isinstance(m, PackedLinear) for m in model.modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe, dtype=torch.float32).eval()
     with torch.inference_mode():

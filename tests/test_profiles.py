@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.engine.precision import PRECISION_SPECS, CudaMeasurement
+from service.selection import profiles
 from service.selection.manifests import (
     Architecture,
     ProfileError,
@@ -361,10 +362,12 @@ def test_a_cpu_without_bf16_ranks_precisions_by_what_was_measured_for_the_profil
 @pytest.mark.parametrize(
     "flags", [("avx2",), ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")], ids=["avx2", "avx512"]
 )
-def test_int4_keeps_its_place_where_the_w4a8_kernel_runs(manifests, flags) -> None:
+def test_int4_keeps_its_place_where_the_w4a8_kernel_runs(manifests, flags, monkeypatch) -> None:
     """int4_wo on the W4A8 kernel (integer sums, no bf16) was measured ahead of fp32 at 1, 8 and
     32 streams on AVX2 (bench/README.md "int4 layers on integer dot products"): on a CPU with its
-    instructions (AVX2, FMA, F16C) it stays first for throughput; bf16 and int8_wo stay last."""
+    instructions (AVX2, FMA, F16C) and a compiler to build it, it stays first for throughput; bf16
+    and int8_wo stay last. Without a compiler it ranks with int8_wo."""
+    monkeypatch.setattr(profiles, "cxx_compiler_found", lambda: True)
     m = manifest(manifests, "embedded")
     host = with_isa_flags(system("cpu_only"), ("sse4_2", "fma", "f16c", *flags))
     chosen = select(m, host, TORCH_ONLY)
@@ -372,6 +375,8 @@ def test_int4_keeps_its_place_where_the_w4a8_kernel_runs(manifests, flags) -> No
     assert "int4_wo kept in its place on this CPU without bf16 instructions" in chosen.explanation[0]
     assert "NIM_CPU_INT4_KERNEL=weight-only ranks it with int8_wo" in chosen.explanation[0]
     assert "bf16, int8_wo ranked last" in chosen.explanation[0]
+    monkeypatch.setattr(profiles, "cxx_compiler_found", lambda: False)
+    assert select(m, host, TORCH_ONLY).chosen.profile.precision == "fp32"
 
 
 def test_an_amx_cpu_keeps_int4_first_and_says_what_bf16_would_trade(manifests) -> None:

@@ -147,6 +147,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "int4_wo",
         ),  # quantized experts: the W4A8 MoE op where it builds, else one int4 layer each
         ("qwen3_moe", "int4_wo-weight-only"),  # one int4 layer each (aten's kernel)
+        ("qwen3_moe", "bf16"),  # the fused norms (q/k too) and routing in bf16
         ("qwen3_moe", "bf16-aten-ops"),  # NIM_CPU_FUSED_OPS=off: aten's norms and routing (q/k norms too)
     ],
 )

@@ -30,6 +30,7 @@ from service.engine.precision import PRECISION_SPECS, SPECS, Mode, precision_mod
 from service.engine.precision import why as precision_why
 from service.engine.registry import EngineSupport
 from service.engine.trtllm import release as trtllm_release
+from service.host import cxx_compiler_found
 from service.selection.manifests import PRECISIONS, Architecture, Manifest, Profile, ProfileError
 from service.selection.system_info import SystemInfo
 from service.util import cdiv
@@ -254,13 +255,15 @@ _W4A8_FLAGS = ("avx2", "fma", "f16c")
 
 
 def _w4a8_here(profile: Profile, system: SystemInfo, policy: Policy) -> bool:
-    """Whether int4_wo would run the W4A8 kernel on this CPU (NIM_CPU_INT4_KERNEL=auto and its
-    instructions present; without a compiler the engine falls back to aten's kernel, logged)."""
+    """Whether int4_wo would run the W4A8 kernel on this CPU: NIM_CPU_INT4_KERNEL=auto, its
+    instructions present, and a C++ compiler to build it with (a build that still fails falls
+    back to aten's kernel at load, logged)."""
     return (
         profile.precision == "int4_wo"
         and policy.w4a8_int4
         and not system.gpus
         and set(_W4A8_FLAGS) <= set(system.cpu.isa_flags)
+        and cxx_compiler_found()
     )
 
 

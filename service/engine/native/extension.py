@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -85,6 +86,8 @@ def problem() -> str | None:
     """None once the extension is loaded (built on first use), else why it cannot be."""
     if os.name != "posix":
         return "the native CPU ops are built for Linux only"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the native CPU ops are x86-64 code (AVX2 / AVX-512); this CPU is {platform.machine()}"
     try:
         from torch.utils import cpp_extension
 

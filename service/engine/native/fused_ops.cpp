@@ -133,6 +133,8 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": the weight must be x's dtype");
   TORCH_CHECK((weight.dim() == 1 || weight.dim() == 2) && weight.size(-1) == x.size(-1) && weight.numel() > 0,
               op, ": the weight must be [H] or [W, H] with x's last dimension H");
+  TORCH_CHECK(weight.dim() == 1 || (x.dim() >= 2 && x.size(-2) == weight.size(0)), op,
+              ": a [W, H] weight needs x of shape [..., W, H] (a weight row per row of its last two dimensions)");
 }
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& input, const at::Tensor* residual_in,

@@ -74,7 +74,7 @@ _ROWS, _WIDTH, _EXPERTS, _TOP_K = 24, 200, 12, 3
 _PROBED = ((1, 0), (1, 5), (3, 2), (7, 17), (16, 8))  # (rows, first row) slices against the whole batch
 # How far the fused ops may be from aten's: float32 sums in another order (relative to a row's
 # largest value), and for 16-bit outputs one rounding of the value.
-_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
+_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def check() -> str | None:
@@ -105,7 +105,8 @@ def check() -> str | None:
                 if not error <= tolerance:
                     return f"the fused {name} is {error:.2g} off aten's ({dtype})"
             weights, ids = route(ts, g, _TOP_K, True)
-            if not torch.equal(ids, _aten_route(ts, g, _TOP_K)[1]):
+            # as sets: aten's top-k orders ties (bf16 logits tie now and then) either way
+            if not torch.equal(ids.sort(-1).values, _aten_route(ts, g, _TOP_K)[1].sort(-1).values):
                 return f"the fused router chooses other experts than aten's ({dtype})"
             for rows, first in _PROBED:
                 part = slice(first, first + rows)

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
+from torch import nn
 
+from service.engine.models.base import CausalLM
+from service.engine.models.llama_layers import RMSNorm
+from service.engine.models.moe import SparseMoeBlock
 from service.engine.native import extension, fused_ops
 from service.engine.protocol import PathChoice
 
@@ -27,21 +32,41 @@ NAME = "cpu_fused_ops"
 
 
 def choose(device: torch.device, enabled: bool) -> PathChoice:
-    """The choice for a model on `device`, before it is built (`.used`: BuildOptions.cpu_fused_ops)."""
+    """The choice for a model on `device`, before it is built (`.used`: BuildOptions.cpu_fused_ops);
+    `path` restates it once the model is built."""
     if device.type != "cpu":
         return PathChoice(NAME, False, "the model is not on the CPU", SETTING)
     if not enabled:
         return PathChoice(NAME, False, f"off ({SETTING}): aten's op sequences", SETTING)
     started = time.monotonic()
-    problem = extension.problem() or fused_ops.check()
+    problem = extension.problem()
+    if problem is None:
+        try:
+            problem = fused_ops.check()
+        except Exception as error:  # an op that raises (a stale build, say): aten's ops, not a failed start
+            problem = f"the fused ops' start-up check failed ({type(error).__name__}: {error})"
     if problem is not None:
         log.warning("%s; norms and routing run aten's ops (%s skips them)", problem, SETTING)
         return PathChoice(NAME, False, f"{problem}; aten's op sequences instead", SETTING)
     return PathChoice(
         NAME,
         True,
-        "RMSNorm (with its residual add), MoE routing and the greedy argmax as one native op each "
-        f"({extension.isa()}; checked against aten's ops and batch-invariant at start-up, "
+        f"checked against aten's ops and batch-invariant at start-up ({extension.isa()}, "
         f"{time.monotonic() - started:.2f} s)",
         SETTING,
+    )
+
+
+def path(model: CausalLM, choice: PathChoice) -> PathChoice:
+    """The choice as /v1/metadata shows it, once the model is built: what runs fused in it (the
+    greedy argmax always does; norms only in Llama-family models, routing only in MoE ones)."""
+    if not choice.used:
+        return choice
+    assert isinstance(model, nn.Module)
+    norms = sum(isinstance(m, RMSNorm) and m.native for m in model.modules())
+    routers = sum(isinstance(m, SparseMoeBlock) and m.native for m in model.modules())
+    fused = [f"{norms} RMSNorms (with their residual adds)"] if norms else []
+    fused += [f"{routers} MoE routers"] if routers else []
+    return replace(
+        choice, reason=f"{', '.join([*fused, 'the greedy argmax'])} as one native op each; {choice.reason}"
     )

@@ -239,7 +239,8 @@ def load_rank(
         raise UnsupportedConfigError(f"profile {config.profile_name}: {error}") from error
     fp8, mode = _fp8_path(model, config, mode)
     dense = dense_prompt_path(model, config.dense_prompt_rows, device, dtype, layout is not None)
-    paths = (fp8, fused, logits, int4_kernel.path(model, kernel, kernel_reason), cpu_fused, dense)
+    kernels = (int4_kernel.path(model, kernel, kernel_reason), cpu_fused_ops.path(model, cpu_fused))
+    paths = (fp8, fused, logits, *kernels, dense)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the checks allocated is free memory again for the KV cache
     log.info(

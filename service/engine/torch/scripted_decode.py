@@ -344,6 +344,15 @@ class ScriptedDecoder:
                     modules[f"expert {expert}'s gate_up"] = gate_up
                     modules[f"expert {expert}'s down"] = down
             found = {name: _args_of(module) for name, module in modules.items()}
+            router = found.get("router")
+            if (
+                router is not None
+                and isinstance(stack, LlamaStack)
+                and stack.fused_ops
+                and router.kind != FLOAT
+            ):
+                reason = f"layer {index}'s router is not a plain float linear, which the fused routing reads"
+                break
             missing = [name for name, args in found.items() if args is None]
             if missing:
                 kind = type(modules[missing[0]]).__name__
