@@ -5,9 +5,10 @@
 //
 // Why: at one stream a decode step is a few hundred small ops between the weight-streaming
 // matmuls. After a matmul has streamed megabytes of weights, each small aten op pays again for
-// its dispatch and kernel code falling out of the caches: measured on a 2-core Xeon, RMSNorm
-// of one row 20 us hot and 78 us after a weight stream, the router (a 32 x 512 bf16 linear,
-// softmax, top-k, renormalised) 62 and 274 us; these ops take 4 and 12 us there.
+// its dispatch and kernel code falling out of the caches: measured on a 2-core Xeon
+// (bench/cpu_fused_ops.py), the residual add and RMSNorm of one row 19 us hot and 142 us after a
+// weight stream, the router (a 32 x 512 bf16 linear, softmax, top-4, renormalised) 55 and 212 us;
+// these ops take 4 and 61, 5 and 58 us there.
 //
 // Invariants: a row's outputs depend on that row alone, computed in one fixed order whatever
 // the number of rows or threads (threads split rows, never a sum), so a token's values do not
