@@ -16,7 +16,9 @@ table's int8 lookups (2,048 ids: a prompt chunk); and oneDNN's int8 matmul with 
 one row (3 calls: the path W8A8Linear avoids, a reference loop off AMX, e.g. under
 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI); and the W4A8 kernel (service/engine/native/w4a8.cpp: int4
 weights, inputs rounded to int8 per block of 32, integer sums; NIM_CPU_INT4_KERNEL=auto) where it
-builds, with each input dtype (it takes both as they come).
+builds, with each input dtype (it takes both as they come); and the Q8 kernel
+(service/engine/native/q8.cpp: int8 weights with a scale per block of 32, inputs rounded to int8
+per block of 32; the compact logits head under float32 activations), float32 inputs.
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from service.engine.models.cpu_linear import HalfPackedLinear, PackedLinear
 from service.engine.models.quant import Int8Weight
 from service.engine.models.w8a8 import CHUNK_ROWS, W8A8Linear, w8a8_problem
-from service.engine.native import w4a8
+from service.engine.native import q8, w4a8
 
 INT8_MM = torch.ops.aten._weight_int8pack_mm
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -67,7 +69,7 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
     weight = torch.randn(n, k)
-    q8 = torch.randint(-127, 127, (n, k), dtype=torch.int8)
+    int8_values = torch.randint(-127, 127, (n, k), dtype=torch.int8)
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (n, k), dtype=torch.int32), 1
     )
@@ -81,7 +83,7 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
         x, w = torch.randn(rows, k).to(dtype), weight.to(dtype)
         scale8, scales4 = torch.rand(n).to(dtype), torch.rand(k // 32, n, 2).to(dtype)
         result[f"float_{name}"] = median_ms(lambda x=x, w=w: F.linear(x, w), reps)
-        result[f"int8_{name}_inputs"] = median_ms(lambda x=x, s=scale8: INT8_MM(x, q8, s), reps)
+        result[f"int8_{name}_inputs"] = median_ms(lambda x=x, s=scale8: INT8_MM(x, int8_values, s), reps)
         result[f"int4_{name}_inputs"] = median_ms(lambda x=x, s=scales4: INT4_MM(x, packed4, 32, s), reps)
         if w4a8.problem() is None:  # the W4A8 kernel, inputs rounded to int8 per block of 32
             result[f"w4a8_{name}_inputs"] = median_ms(lambda x=x: w4a8.linear(x, *w4a8_layer, 32, n), reps)
@@ -92,6 +94,9 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
     with torch.inference_mode():
         result["packed_fp32"] = median_ms(lambda: packed(x), reps)
         result["fbgemm_fp16_weights"] = median_ms(lambda: half(x), reps)
+        if q8.problem() is None and q8.shape_problem(k) is None:  # the compact head under float32
+            blocks = q8.Q8Linear(weight * 0.02)
+            result["q8_int8_inputs"] = median_ms(lambda: blocks(x), reps)
         if w8a8_problem(k) is None:
             integer = W8A8Linear(Int8Weight.quantize(weight), torch.device("cpu"))
             result["w8a8_int8_inputs"] = median_ms(lambda: integer(x.bfloat16()), reps)

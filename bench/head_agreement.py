@@ -5,7 +5,8 @@
 The embedded model (int4_wo layers, as served) is built once per head: the activation dtype's
 own (the reference), the int8 weight-only head (`NIM_COMPACT_LOGITS=weight-only`), the integer
 head (`auto` under bf16 activations; service/engine/models/w8a8.py) and, under float32
-activations, the float16 one. For each of the first --prompts prompts of tests/data/prompts.txt
+activations, the float16 one (`weight-only`) and the Q8 one (`auto`; service/engine/native/q8.py).
+For each of the first --prompts prompts of tests/data/prompts.txt
 (chat template applied) the reference decodes --new-tokens greedy tokens; each head then reads
 that continuation teacher-forced, one forward pass, and each step is compared: the same token, or
 a near-tie taken the other way (its margin in the reference's logprobs; the prompt's comparison
@@ -21,14 +22,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from service.engine.models.attention import CausalAttention
-from service.engine.models.base import BuildOptions, CausalLM
+from service.engine.models.base import BuildOptions, CausalLM, LogitsFormat
 from service.engine.models.loader import build_model, load_gguf
 from service.engine.models.w8a8 import w8a8_problem
+from service.engine.native.q8 import problem as q8_problem
 from service.store.model_store import embedded_model_path
 from service.text.tokenizer import Tokenizer
 
@@ -76,14 +77,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    heads: dict[str, Literal["float", "w8a8", "int8", "fp16"]] = {"weight_only_int8": "int8"}
+    heads: dict[str, LogitsFormat] = {"weight_only_int8": "int8"}
     hidden = load_gguf(embedded_model_path(), "int4_wo")[0].hidden_size  # the config; weights load lazily
     if dtype == torch.bfloat16 and w8a8_problem(hidden) is None:
         heads["integer_w8a8"] = "w8a8"
     if dtype == torch.float32:
         heads["float16"] = "fp16"
+        if q8_problem() is None:
+            heads["q8_blocks"] = "q8"
 
-    def build(logits_format: Literal["float", "w8a8", "int8", "fp16"]) -> CausalLM:
+    def build(logits_format: LogitsFormat) -> CausalLM:
         config, weights = load_gguf(embedded_model_path(), "int4_wo")
         # As served: under float32 activations the int layers compute in bf16 (rank_loading).
         options = BuildOptions(

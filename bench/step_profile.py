@@ -186,7 +186,10 @@ def cpu_op_profile(engine: TorchEngine, count: int, top: int) -> dict:
                 raise RuntimeError(f"the engine died: {engine.failure}")
     finally:
         engine.core.step = original  # type: ignore[method-assign]
-    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
+    # aten's ops, oneDNN's, fbgemm's (quantized::) and this project's native ones (nim_cpu::)
+    events = [
+        e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::", "nim_cpu::", "quantized::"))
+    ]
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {
         "steps": count,

@@ -22,11 +22,16 @@ with the exact float32 kernels, or with its float logits layer; never the code u
   the same table); logits equal the float model on the float16-rounded table to float32 summation
   order; the embedded model's greedy tokens and logprobs against its float32 head, under float32
   activations (as a CPU without bf16 instructions serves int4_wo);
-* where each applies: weight-only profiles on the CPU, int8 with bf16 activations, float16 with
-  float32 ones where the start-up probe passes (a build whose kernel computes a row differently
-  at another batch size keeps the float32 head, with the reason); NIM_COMPACT_LOGITS=off turns
-  them off; the reason in each case (rank_loading._logits_path, shown in /v1/metadata's
-  executionPaths).
+* Q8 logits (native/q8.py): the head holds int8 blocks of 32 with float16 scales, the embedding
+  stays float32 (tied: the same table); logits equal the float model on the formula's blocks, its
+  input rounded per block of 32, to float32 summation order; the embedded model's greedy tokens
+  and logprobs against its float32 head, under float32 activations, within the bound below;
+* where each applies: weight-only profiles on the CPU, int8 with bf16 activations, Q8 with float32
+  ones where the native kernel builds and passes its check (else, and with
+  NIM_COMPACT_LOGITS=weight-only, float16 where the start-up probe passes: a build whose kernel
+  computes a row differently at another batch size keeps the float32 head, with the reason);
+  NIM_COMPACT_LOGITS=off turns them off; the reason in each case (rank_loading._logits_path, shown
+  in /v1/metadata's executionPaths).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from service.engine.models.cpu_linear import HalfPackedLinear, half_packing_prob
 from service.engine.models.loader import build_model, load_gguf, load_hf_dir
 from service.engine.models.quant import Int8Weight
 from service.engine.models.quant_linear import Int4Linear, Int8Embedding, Int8Linear
+from service.engine.native import q8
 from service.engine.torch import rank_loading
 from service.engine.torch.rank_loading import _logits_path
 from service.store.model_store import embedded_model_path
@@ -61,6 +67,10 @@ NEW_TOKENS = 8
 # The same under the float16 head against the float32 one, float32 activations: measured 0.0034
 # over 80 steps, no token flipped.
 HALF_LOGPROB_TOLERANCE = 0.02
+# The same under the Q8 head against the float32 head, float32 activations: measured 0.070 over
+# 40 steps (5 prompts), no token flipped; bench/head_agreement.py: 5 near-ties in 382 steps, each
+# within 0.11.
+Q8_LOGPROB_TOLERANCE = 0.25
 # Logits through bf16 roundings against float32 ones (tests/test_quantization.py's bf16 bound, for
 # logits up to 10; scaled with the largest logit beyond that).
 BF16_LOGITS_TOLERANCE = 0.15
@@ -220,9 +230,10 @@ def test_int_kernels_in_bf16_under_fp32_activations(tmp_path: Path) -> None:
     assert worst > 0 and ties <= 2
 
 
-def _engine_config(precision: str, compact_logits: bool = True) -> SimpleNamespace:
-    # The weight-only forms: the head's input rows in integers are tests/test_w8a8_logits.py's.
-    return SimpleNamespace(precision=precision, compact_logits=compact_logits, w8a8_logits=False)
+def _engine_config(precision: str, compact_logits: bool = True, w8a8: bool = False) -> SimpleNamespace:
+    # The weight-only forms by default: the bf16 head's input rows in integers are
+    # tests/test_w8a8_logits.py's.
+    return SimpleNamespace(precision=precision, compact_logits=compact_logits, w8a8_logits=w8a8)
 
 
 def test_where_the_compact_logits_apply_and_why() -> None:
@@ -303,3 +314,67 @@ def test_the_embedded_model_decodes_the_same_greedy_tokens_with_float16_logits()
         f"float16 logits: {compared} greedy steps, {ties} near-tie(s) flipped; max |logprob diff| {worst:.5f}"
     )
     assert compared == PROMPTS // 2 * NEW_TOKENS and ties == 0 and worst <= HALF_LOGPROB_TOLERANCE
+
+
+@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
+def test_float32_activations_take_the_q8_head_unless_told_or_it_cannot(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    for precision in ("int4_wo", "int8_wo"):
+        path, form = _logits_path(_engine_config(precision, w8a8=True), cpu, fp32, 576)
+        assert path.used and form == "q8" and f"the native Q8 kernel, {q8.isa()}" in path.reason
+    weight_only, form = _logits_path(
+        _engine_config("int4_wo"), cpu, fp32, 576
+    )  # NIM_COMPACT_LOGITS=weight-only
+    assert form == "fp16" and "NIM_COMPACT_LOGITS=weight-only" in weight_only.reason
+    odd, form = _logits_path(_engine_config("int4_wo", w8a8=True), cpu, fp32, 584)
+    assert form == "fp16" and "its 584 inputs are not whole blocks of 32, so the input rows" in odd.reason
+    monkeypatch.setattr(q8, "serving_problem", lambda width: "the Q8 kernel is 0.1 off its float64 reference")
+    with caplog.at_level("INFO"):
+        failed, form = _logits_path(_engine_config("int4_wo", w8a8=True), cpu, fp32, 576)
+    assert form == "fp16" and failed.used and "0.1 off its float64 reference" in failed.reason
+    assert "the logits projection keeps its input in float32" in caplog.text
+    # bf16 activations keep their own integer head (tests/test_w8a8_logits.py)
+    assert _logits_path(_engine_config("int4_wo", w8a8=True), cpu, torch.bfloat16, 576)[1] in ("w8a8", "int8")
+
+
+@pytest.mark.skipif(q8.serving_problem(64) is not None, reason=f"the Q8 kernel: {q8.serving_problem(64)}")
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_q8_head_computes_the_formula_s_blocks(tmp_path: Path, tied: bool) -> None:
+    path = _tiny_checkpoint(tmp_path / "tiny", tied)
+    floats, blocks = _build(path, "float"), _build(path, "q8")
+    assert isinstance(blocks.lm_head, q8.Q8Linear)
+    assert isinstance(blocks.model.embed_tokens, nn.Embedding)  # lookups stay float32
+    assert blocks.model.embed_tokens.weight.dtype == torch.float32
+
+    def formula(table: torch.Tensor) -> torch.Tensor:  # per block of 32: its largest magnitude -> 127 steps
+        parts = table.view(table.shape[0], -1, 32)
+        scale = (parts.abs().amax(-1, keepdim=True) / 127).half().float()
+        return ((parts / scale).round().clamp(-127, 127) * scale).view(table.shape)
+
+    prompt = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        head = floats.model.embed_tokens.weight if tied else floats.lm_head.weight
+        hidden = floats(prompt, torch.arange(24), CausalAttention())
+        parts = hidden.view(24, -1, 32)  # the input, rounded per block of 32
+        steps = parts.abs().amax(-1, keepdim=True) / 127
+        rounded = ((parts / steps).round().clamp(-127, 127) * steps).view(24, -1)
+        want = rounded.double() @ formula(head).double().T
+    got = _logits(blocks, prompt)
+    assert got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert blocks.weight_nbytes() < floats.weight_nbytes()
+
+
+@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
+def test_the_embedded_model_decodes_the_same_greedy_tokens_with_q8_logits() -> None:
+    models = _embedded_builds(
+        torch.float32,
+        float_head=BuildOptions(prepack_cpu=True, int_kernels_in_bf16=True),
+        q8_head=BuildOptions(prepack_cpu=True, int_kernels_in_bf16=True, logits_format="q8"),
+    )
+    assert isinstance(models["q8_head"].lm_head, q8.Q8Linear)
+    compared, ties, worst = _greedy_agreement(models["float_head"], models["q8_head"], PROMPTS // 2)
+    print(f"Q8 logits: {compared} greedy steps, {ties} near-tie(s) flipped; max |logprob diff| {worst:.4f}")
+    assert compared >= PROMPTS // 2 * NEW_TOKENS - NEW_TOKENS and worst <= Q8_LOGPROB_TOLERANCE and ties <= 1

@@ -32,6 +32,7 @@ from service.engine.models.base import BuildOptions
 from service.engine.models.quant import Int8Weight
 from service.engine.models.quant_linear import Int8Embedding, Int8Linear
 from service.engine.models.w8a8 import OUTLIERS, W8A8Linear, w8a8_problem
+from service.engine.native import q8
 from service.engine.torch import rank_loading
 from service.engine.torch.rank_loading import _logits_path
 from service.serving import config_for
@@ -207,8 +208,8 @@ def test_where_the_integer_logits_apply_and_why(
         assert "NIM_COMPACT_LOGITS=weight-only keeps the input rows in bf16" in path.reason
         path, form = _logits_path(_engine_config(precision, "weight-only"), CPU, bf16, 576)
         assert path.used and form == "int8" and "NIM_COMPACT_LOGITS=weight-only" in path.reason
-        path, form = _logits_path(_engine_config(precision), CPU, fp32, 576)  # float16 stays closer there
-        assert form == "fp16" and "float32 activations" in path.reason
+        path, form = _logits_path(_engine_config(precision), CPU, fp32, 576)  # its own Q8 head there
+        assert form == ("q8" if q8.serving_problem(576) is None else "fp16")  # tests/test_cpu_int_kernels.py
         assert _logits_path(_engine_config(precision, "off"), CPU, bf16, 576)[1] == "float"
     monkeypatch.setattr(rank_loading, "w8a8_problem", lambda width: "no int8 dot products here")
     with caplog.at_level("INFO"):

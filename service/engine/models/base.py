@@ -33,6 +33,9 @@ class TensorParallel:
     layout: TPLayout
 
 
+LogitsFormat = Literal["float", "w8a8", "int8", "fp16", "q8"]  # BuildOptions.logits_format
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """How a model computes, fixed when it is built (never switched on afterwards)."""
@@ -46,8 +49,10 @@ class BuildOptions:
     # quantized to int8 too and multiplied in integers (w8a8.W8A8Linear); "int8" (bf16
     # activations): the same tables, the input kept in bf16 (aten's weight-only kernel); "fp16"
     # (float32 activations): the projection as float16 in fbgemm's packed layout, computed in
-    # float32 (cpu_linear.HalfPackedLinear); "float": as loaded.
-    logits_format: Literal["float", "w8a8", "int8", "fp16"] = "float"
+    # float32 (cpu_linear.HalfPackedLinear); "q8" (float32 activations): int8 with a scale per
+    # block of 32, input rows rounded to int8 per block of 32, integer sums (native/q8.py's
+    # Q8Linear); "float": as loaded.
+    logits_format: LogitsFormat = "float"
     # The CPU under float32 activations: native int4/int8 layers compute in bf16 (quant_linear.
     # CPU_INT_KERNEL_DTYPE), their input and output cast; off, they compute in float32 (exactly).
     int_kernels_in_bf16: bool = False

@@ -42,6 +42,7 @@ from service.engine.models.quant_linear import Int8Embedding, Int8Linear
 from service.engine.models.rope import RotaryEmbedding
 from service.engine.models.tensor_parallel import Collectives
 from service.engine.models.w8a8 import W8A8Linear
+from service.engine.native.q8 import Q8Linear
 from service.model.config import ModelConfig
 
 
@@ -229,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
             self._quantize_logits(target_device)
         elif self.logits_format == "fp16":
             self._half_logits()
+        elif self.logits_format == "q8":
+            self._q8_logits()
         if self.rotary.cos_cached.is_meta:
             self.rotary.materialize(target_device)
         self.rotary.reset_cache()
@@ -245,6 +248,13 @@ class LlamaForCausalLM(nn.Module):
         untied = self.lm_head
         assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is packed"
         self.lm_head = HalfPackedLinear(self._float_table() if untied is None else untied.weight)
+
+    def _q8_logits(self) -> None:
+        """The logits projection as Q8 blocks (BuildOptions.logits_format "q8": native/q8.py), from
+        the float weights just loaded; tied, the float table stays for lookups."""
+        untied = self.lm_head
+        assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is quantized"
+        self.lm_head = Q8Linear(self._float_table() if untied is None else untied.weight)
 
     def _quantize_logits(self, device: torch.device) -> None:
         """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8" or

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "quantize.h"
 
 #include <cmath>
 #include <cstdint>
@@ -38,85 +39,7 @@
 namespace {
 
 constexpr int64_t kTile = 16;   // output rows per tile
-constexpr int64_t kBlock = 32;  // inputs per activation block
 constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;
-
-struct Quantized {
-  std::vector<int8_t> q;      // [M, K]
-  std::vector<float> d;       // [M, K / 32]
-  std::vector<float> sums;    // [M, K / group]: sums of the rounded inputs, d * sum(xq) per block
-};
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
-// One block of 32 inputs (already float): its int8 values, scale, and the integer sum of the
-// values. Every step is elementwise, a max, or an integer sum, so the result does not depend on
-// how the compiler vectorises it: each ISA's copy below gives the same bits.
-#define NIM_QUANTIZE_BLOCK(xf, q, d_out, isum_out)                          \
-  {                                                                        \
-    float amax = 0.f;                                                      \
-    int32_t nans = 0;                                                      \
-    for (int i = 0; i < kBlock; ++i) {                                     \
-      amax = std::max(amax, std::fabs(xf[i]));                             \
-      nans += xf[i] != xf[i];                                              \
-    }                                                                      \
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;                     \
-    int32_t isum = 0;                                                      \
-    for (int i = 0; i < kBlock; ++i) {                                     \
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xf[i] * inv))); \
-      q[i] = static_cast<int8_t>(v);                                       \
-      isum += static_cast<int32_t>(v);                                     \
-    }                                                                      \
-    d_out = nans ? std::nanf("") : amax / 127.f; /* a NaN input: NaN out */ \
-    isum_out = isum;                                                       \
-  }
-
-#define NIM_QUANTIZE_BLOCKS(NAME, TARGET)                                                   \
-  TARGET void NAME(const float* xf, int8_t* q, float* d, int32_t* isums, int64_t blocks) {  \
-    for (int64_t b = 0; b < blocks; ++b) {                                                  \
-      NIM_QUANTIZE_BLOCK((xf + b * kBlock), (q + b * kBlock), d[b], isums[b]);              \
-    }                                                                                       \
-  }
-
-NIM_QUANTIZE_BLOCKS(quantize_blocks_avx512, __attribute__((target("avx512f,avx512bw"))))
-NIM_QUANTIZE_BLOCKS(quantize_blocks_avx2, __attribute__((target("avx2,fma"))))
-NIM_QUANTIZE_BLOCKS(quantize_blocks_portable, )
-
-// Rows quantized per thread at least: below this a call stays on the calling thread.
-constexpr int64_t kQuantizeGrain = 16;
-
-template <typename T>
-void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t isa, Quantized& out) {
-  const int64_t blocks = k / kBlock, groups = k / group, per_group = group / kBlock;
-  out.q.resize(m_rows * k);
-  out.d.resize(m_rows * blocks);
-  out.sums.resize(m_rows * groups);
-  // Row by row (each row's values from that row alone, whichever thread quantizes it).
-  at::parallel_for(0, m_rows, kQuantizeGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(k);
-    std::vector<int32_t> isums(blocks);
-    for (int64_t m = begin; m < end; ++m) {
-      const T* row = x + m * k;
-      for (int64_t i = 0; i < k; ++i) xf[i] = to_float(row[i]);
-      int8_t* q = out.q.data() + m * k;
-      float* d = out.d.data() + m * blocks;
-      if (isa == 2) {
-        quantize_blocks_avx512(xf.data(), q, d, isums.data(), blocks);
-      } else if (isa == 1) {
-        quantize_blocks_avx2(xf.data(), q, d, isums.data(), blocks);
-      } else {
-        quantize_blocks_portable(xf.data(), q, d, isums.data(), blocks);
-      }
-      // The rounded inputs' sum per weight group, block by block in order (no vectorised sum).
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.f;
-        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) s = std::fmaf(d[b], static_cast<float>(isums[b]), s);
-        out.sums[m * groups + g] = s;
-      }
-    }
-  });
-}
 
 // One tile (16 output rows) for one quantized input row, scalar: the reference the SIMD paths
 // follow operation for operation (fmaf where they fuse).

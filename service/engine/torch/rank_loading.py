@@ -11,14 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 
 from service.engine import triton_support
 from service.engine.config import EngineConfig, KVCacheConfig, UnsupportedConfigError, step_defaults
 from service.engine.models import quant_cache, triton_fp8
-from service.engine.models.base import BuildOptions, CausalLM, TensorParallel
+from service.engine.models.base import BuildOptions, CausalLM, LogitsFormat, TensorParallel
 from service.engine.models.cpu_linear import half_packing_problem
 from service.engine.models.loader import (
     DEFAULT_INT4_GROUP,
@@ -30,6 +29,7 @@ from service.engine.models.loader import (
 )
 from service.engine.models.tensor_parallel import ProcessGroupCollectives, TPLayout, Weight, shard_weights
 from service.engine.models.w8a8 import OUTLIERS, w8a8_problem
+from service.engine.native import q8
 from service.engine.precision import FLOAT_PRECISIONS, PRECISION_SPECS, Mode, precision_mode
 from service.engine.protocol import PathChoice
 from service.engine.torch import cpu_fused_ops, int4_kernel
@@ -323,7 +323,7 @@ def _fp8_rows_path(model: CausalLM, config: EngineConfig) -> str:
 
 def _logits_path(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, hidden_size: int
-) -> tuple[PathChoice, Literal["float", "w8a8", "int8", "fp16"]]:
+) -> tuple[PathChoice, LogitsFormat]:
     """How the logits projection is held (BuildOptions.logits_format), and why. Where the
     profile's layers are weight-only int on the CPU, read in half the bytes of the activation
     dtype or fewer at each step:
@@ -333,10 +333,14 @@ def _logits_path(
       must find exact and batch-invariant on this CPU; closer to the bf16 head than the next);
     - else with bf16 activations: the same int8 tables, the input kept in bf16 (aten's int8
       kernel; the logits were computed in bf16 anyway);
-    - float32 activations: float16 through fbgemm, computed and returned in float32. Not int8:
-      aten's int8 kernel computes in bf16 there (BuildOptions.int_kernels_in_bf16) and would round
-      the logits to bf16 (steps of 0.125 at a logit of 20), which flips near-tied greedy tokens.
-      Only where a start-up probe finds the kernel and finds it batch-invariant."""
+    - float32 activations, first choice (auto): int8 with one float16 scale per block of 32
+      weights, each input row rounded to int8 per block of 32, the products summed in integers
+      (native/q8.py's Q8Linear, llama.cpp's Q8_0 head: 1.06 bytes a weight; where the native
+      extension builds with AVX2 or AVX-512 VNNI and its start-up check passes);
+    - else float32 activations: float16 through fbgemm, computed and returned in float32. Not
+      aten's int8 kernel: it computes in bf16 there (BuildOptions.int_kernels_in_bf16) and would
+      round the logits to bf16 (steps of 0.125 at a logit of 20), which flips near-tied greedy
+      tokens. Only where a start-up probe finds the kernel and finds it batch-invariant."""
 
     def chosen(used: bool, reason: str) -> PathChoice:
         return PathChoice("compact_logits", used, reason, COMPACT_LOGITS_SETTING)
@@ -353,7 +357,15 @@ def _logits_path(
         return chosen(False, off), "float"
     instead = f"{WEIGHT_ONLY_LOGITS_SETTING}: the input rows are not quantized; "
     if config.w8a8_logits and dtype == torch.float32:
-        instead = "float32 activations: the input rows are not quantized (float16 weights stay closer); "
+        problem = q8.serving_problem(hidden_size)
+        if problem is None:
+            return chosen(True, "the logits projection as int8 with a float16 scale per block of 32 "
+                          "weights, each input row rounded to int8 per block of 32, the products summed "
+                          f"in integers (the native Q8 kernel, {q8.isa()}, checked at start; the embedding "
+                          f"stays float32; {WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in "
+                          "float32 and the weights in float16)"), "q8"  # fmt: skip
+        log.info("%s; the logits projection keeps its input in float32", problem)
+        instead = f"{problem}, so the input rows are not quantized; "
     elif config.w8a8_logits:
         problem = w8a8_problem(hidden_size)
         if problem is None:
