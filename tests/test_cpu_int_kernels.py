@@ -358,8 +358,9 @@ def test_the_q8_head_computes_the_formula_s_blocks(tmp_path: Path, tied: bool) -
         head = floats.model.embed_tokens.weight if tied else floats.lm_head.weight
         hidden = floats(prompt, torch.arange(24), CausalAttention())
         parts = hidden.view(24, -1, 32)  # the input, rounded per block of 32
-        steps = parts.abs().amax(-1, keepdim=True) / 127
-        rounded = ((parts / steps).round().clamp(-127, 127) * steps).view(24, -1)
+        largest = parts.abs().amax(-1, keepdim=True)  # x * (127 / largest), as the kernel rounds
+        steps = (parts * (torch.full_like(largest, 127.0) / largest)).round().clamp(-127, 127)
+        rounded = (steps * (largest / 127)).view(24, -1)
         want = rounded.double() @ formula(head).double().T
     got = _logits(blocks, prompt)
     assert got.dtype == torch.float32

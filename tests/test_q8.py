@@ -21,6 +21,7 @@ import torch
 
 from service.engine.models.cpu_linear import batch_dependence
 from service.engine.native import q8
+from service.model.quantization import QuantizationError
 
 pytestmark = pytest.mark.skipif(q8.problem() is not None, reason=f"the native CPU ops: {q8.problem()}")
 
@@ -105,20 +106,23 @@ def test_a_row_is_computed_alike_at_any_batch_size_and_place() -> None:
         assert layer(x.view(7, 10, 128)).shape == (7, 10, 300)
 
 
-def test_a_nan_row_spoils_only_itself() -> None:
+def test_a_nan_or_infinite_row_spoils_only_itself_and_a_tiny_row_gives_zeros() -> None:
     generator = torch.Generator().manual_seed(3)
     layer = q8.Q8Linear(torch.randn(48, 64, generator=generator))
-    x = torch.randn(5, 64, generator=generator)
+    x = torch.randn(6, 64, generator=generator)
     with torch.inference_mode():
         clean = layer(x)
         x[3, 7] = float("nan")
+        x[4, 40] = float("inf")  # its block's steps would mean nothing: NaN, not a sign
+        x[5] = 1e-39  # subnormal: 127 / max overflows
         spoiled = layer(x)
-    assert bool(spoiled[3].isnan().all())
-    assert torch.equal(spoiled[[0, 1, 2, 4]], clean[[0, 1, 2, 4]])
+    assert bool(spoiled[3].isnan().all()) and bool(spoiled[4].isnan().all())
+    assert not spoiled[5].any()
+    assert torch.equal(spoiled[:3], clean[:3])
 
 
 def test_mismatched_shapes_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="whole blocks of 32"):
+    with pytest.raises(QuantizationError, match="whole blocks of 32"):
         q8.quantize(torch.randn(4, 48))
     assert q8.shape_problem(48) == "its 48 inputs are not whole blocks of 32"
     assert q8.shape_problem(576) is None
@@ -129,7 +133,12 @@ def test_mismatched_shapes_are_refused_with_the_reason() -> None:
         q8.linear(torch.randn(2, 64), packed, scales, 33)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         q8.linear(torch.randn(2, 64, dtype=torch.float64), packed, scales, 20)
-    with pytest.raises(ValueError, match="not finite"):
+    with pytest.raises(RuntimeError, match="positive multiple of 32"):
+        q8.linear(
+            torch.randn(2, 0), torch.zeros(1, 0, 512, dtype=torch.int8), torch.zeros(1, 0, 16).half(), 16
+        )
+    assert q8.shape_problem(0) is not None
+    with pytest.raises(QuantizationError, match="not finite"):
         q8.quantize(torch.full((1, 32), float("inf")))
 
 

@@ -193,7 +193,7 @@ at::Tensor q8_linear(const at::Tensor& input, const at::Tensor& packed, const at
               "q8_linear: bad packed weight");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.dim() == 3 && sm.is_contiguous() && sm.device().is_cpu(), "q8_linear: bad scales");
   const int64_t k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k % kBlock == 0, "q8_linear: K must be a multiple of 32");
+  TORCH_CHECK(k > 0 && k % kBlock == 0, "q8_linear: K must be a positive multiple of 32");
   TORCH_CHECK(packed.size(1) == k / kBlock && packed.size(2) == kTileBlockBytes, "q8_linear: packed weight does not match K");
   TORCH_CHECK(sm.size(0) == tiles && sm.size(1) == k / kBlock && sm.size(2) == kTile, "q8_linear: scales do not match");
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "q8_linear: out_features does not match the tiles");

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from service.engine.native import extension
+from service.model.quantization import QuantizationError
 
 extension.define(
     {"q8_linear": "q8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, int isa=-1) -> Tensor"}
@@ -29,6 +30,7 @@ TILE = 16  # output rows per tile of the packed layout
 BLOCK = 32  # inputs per weight scale and per activation block
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 _HALF_MAX = float(torch.finfo(torch.float16).max)
+_QUANTIZE_ROWS = 4096  # rows quantized at a time
 
 
 def problem() -> str | None:
@@ -53,7 +55,7 @@ def serving_problem(in_features: int) -> str | None:
 
 def shape_problem(in_features: int) -> str | None:
     """Why a layer of `in_features` inputs cannot run on the kernel, or None."""
-    if in_features % BLOCK:
+    if in_features < 1 or in_features % BLOCK:
         return f"its {in_features} inputs are not whole blocks of {BLOCK}"
     return None
 
@@ -61,18 +63,25 @@ def shape_problem(in_features: int) -> str | None:
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
     """float [N, K] -> (int8 [N, K], float16 [N, K / 32]): each block of 32 weights of a row to
     int8 steps of its largest magnitude / 127, that scale rounded to float16 before it divides (an
-    all-zero block, or one below float16's smallest step, takes scale 0 and zeros)."""
+    all-zero block, or one below float16's smallest step, takes scale 0 and zeros). Row chunks at a
+    time: a vocabulary's float32 temporaries stay small. QuantizationError where a block's scale is
+    not finite in float16 (a weight beyond 127 x 65504, or not finite)."""
     n, k = weight.shape
     if shape_problem(k) is not None:
-        raise ValueError(f"Q8 weights need K ({k}) in whole blocks of {BLOCK}")
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    largest = blocks.abs().amax(-1)
-    if not bool(torch.isfinite(largest).all()) or float(largest.max()) / 127.0 > _HALF_MAX:
-        raise ValueError("Q8 weights: a block's scale is not finite in float16")
-    scale = (largest / 127.0).half()
-    divisor = scale.float().unsqueeze(-1)
-    q = torch.where(divisor > 0, blocks / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return q.round_().clamp_(-127, 127).to(torch.int8).reshape(n, k), scale
+        raise QuantizationError(f"Q8 weights need K ({k}) in whole blocks of {BLOCK}")
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, k // BLOCK, dtype=torch.float16)
+    for start in range(0, n, _QUANTIZE_ROWS):
+        blocks = weight[start : start + _QUANTIZE_ROWS].detach().float().reshape(-1, k // BLOCK, BLOCK)
+        largest = blocks.abs().amax(-1)
+        if not bool(torch.isfinite(largest).all()) or float(largest.max()) / 127.0 > _HALF_MAX:
+            raise QuantizationError("Q8 weights: a block's scale is not finite in float16")
+        rows = slice(start, start + blocks.shape[0])
+        scale[rows] = (largest / 127.0).half()
+        divisor = scale[rows].float().unsqueeze(-1)
+        steps = torch.where(divisor > 0, blocks / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        q[rows] = steps.round_().clamp_(-127, 127).to(torch.int8).reshape(-1, k)
+    return q, scale
 
 
 def pack(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -113,7 +122,7 @@ def reference(x: Tensor, packed: Tensor, scales: Tensor, out_features: int) -> T
     amax = blocks.abs().amax(-1, keepdim=True)
     # 127 / amax as the kernel divides (aten's scalar / tensor multiplies by a reciprocal instead)
     inverse = torch.full_like(amax, 127.0).div_(amax)
-    steps = (blocks * torch.where(amax > 0, inverse, 0.0)).round().clamp(-127, 127)
+    steps = (blocks * torch.where((amax > 0) & inverse.isfinite(), inverse, 0.0)).round().clamp(-127, 127)
     rounded = (steps.double() * (amax / 127.0).double()).view(m, k)
     return rounded @ dequantize(packed, scales, out_features).double().t()
 
@@ -127,6 +136,9 @@ class Q8Linear(nn.Module):
 
     def __init__(self, weight: Tensor) -> None:
         super().__init__()
+        why = problem()  # loads the extension: the op runs only once it is
+        if why is not None:
+            raise RuntimeError(f"the Q8 logits head needs the native CPU ops: {why}")
         self.out_features, self.in_features = weight.shape
         packed, scales = pack(*quantize(weight))
         self.register_buffer("packed", packed)
@@ -141,11 +153,12 @@ class Q8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8 blocks of {BLOCK}"
 
 
-# The start-up check: a layer of these shapes (a partial tile), inputs of every sign and scale.
-_CHECK_SHAPE = (72, 256)
+# The start-up check: a layer of these shapes (a partial tile; more tiles than one thread takes,
+# q8.cpp's kBytesPerThread), inputs of every sign and scale.
+_CHECK_SHAPE = (200, 256)
 _CHECK_ROWS = 40
 _CHECK_PROBED = (1, 2, 3, 4, 5, 7, 8, 9, 17, 33)
-_CHECK_TOLERANCE = 1e-5  # relative to the row's largest output: float32 rounding of the sums
+_CHECK_TOLERANCE = 1e-5  # relative to an output's sum of absolute products: float32 rounding
 
 
 def check() -> str | None:
@@ -170,8 +183,11 @@ def check() -> str | None:
         with torch.inference_mode():
             out = linear(inputs, packed, scales, n)
             expected = reference(inputs, packed, scales, n)
-            largest = expected.abs().amax(-1).clamp_min(1e-30)
-            error = ((out.double() - expected).abs().amax(-1) / largest).max()
+            # Each output against its own sum of absolute products (float32 rounding of that sum).
+            magnitude = reference(inputs.abs(), packed.to(torch.int16).abs(), scales.abs(), n).clamp_min(
+                1e-30
+            )
+            error = ((out.double() - expected).abs() / magnitude).max()
             if not error <= _CHECK_TOLERANCE:
                 return f"the Q8 kernel is {float(error):.2g} off its float64 reference ({dtype})"
             for code in available:

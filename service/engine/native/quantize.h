@@ -39,14 +39,16 @@ inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
       amax = std::max(amax, std::fabs(xf[i]));                             \
       nans += xf[i] != xf[i];                                              \
     }                                                                      \
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;                     \
+    /* a subnormal amax: 127 / amax overflows; its block rounds to zeros */ \
+    const float inv = amax > 0.f && std::isfinite(127.f / amax) ? 127.f / amax : 0.f; \
     int32_t isum = 0;                                                      \
     for (int i = 0; i < kBlock; ++i) {                                     \
       const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xf[i] * inv))); \
       q[i] = static_cast<int8_t>(v);                                       \
       isum += static_cast<int32_t>(v);                                     \
     }                                                                      \
-    d_out = nans ? std::nanf("") : amax / 127.f; /* a NaN input: NaN out */ \
+    /* a NaN or infinite input: NaN out (its block's steps mean nothing) */ \
+    d_out = nans || !std::isfinite(amax) ? std::nanf("") : amax / 127.f; \
     isum_out = isum;                                                       \
   }
 

@@ -126,7 +126,7 @@ def reference(x: Tensor, packed: Tensor, sm: Tensor, group: int, out_features: i
     amax = blocks.abs().amax(-1, keepdim=True)
     # 127 / amax as the kernel divides (aten's scalar / tensor multiplies by a reciprocal instead)
     inverse = torch.full_like(amax, 127.0).div_(amax)
-    steps = (blocks * torch.where(amax > 0, inverse, 0.0)).round().clamp(-127, 127)
+    steps = (blocks * torch.where((amax > 0) & inverse.isfinite(), inverse, 0.0)).round().clamp(-127, 127)
     rounded = (steps.double() * (amax / 127.0).double()).view(m, k)
     return rounded @ dequantize(packed, sm, out_features, group).double().t()
 

@@ -357,7 +357,10 @@ def _logits_path(
         return chosen(False, off), "float"
     instead = f"{WEIGHT_ONLY_LOGITS_SETTING}: the input rows are not quantized; "
     if config.w8a8_logits and dtype == torch.float32:
-        problem = q8.serving_problem(hidden_size)
+        try:
+            problem = q8.serving_problem(hidden_size)
+        except Exception as error:  # an op that raises (a stale build, say): the float16 head instead
+            problem = f"the Q8 kernel's check raised {type(error).__name__}: {error}"
         if problem is None:
             return chosen(True, "the logits projection as int8 with a float16 scale per block of 32 "
                           "weights, each input row rounded to int8 per block of 32, the products summed "
