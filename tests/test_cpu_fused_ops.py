@@ -10,6 +10,9 @@
 - a NaN row routes to valid experts and harms no other row; ties go to the lower expert; bad
   arguments are refused with the op's name;
 - the greedy sampler's fused argmax takes argmax's token and max's value (ties, -inf, NaN rows);
+- decode attention reads each row's blocks of the paged cache in place (out of order, padded
+  tables, windows, grouped heads) and computes what the gathered rows give, each row alike alone or
+  batched; scores far apart stay finite;
 - models built with them (BuildOptions.cpu_fused_ops) keep the routers unpacked for the op, and
   match transformers as the aten-built ones do (the scripted decode stays bitwise the eager one:
   tests/test_scripted_decode.py);
@@ -137,6 +140,13 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     values = [fused_ops.rms_norm(xs, ws, 1e-5), fused_ops.add_rms_norm(xs, xs.flip(0), ws, 1e-5)[0], weights]
     out[str(dtype)] = [v.float().view(torch.int32).tolist() for v in values] + [ids.tolist()]
 out["greedy"] = fused_ops.greedy(x.round())[1].tolist()  # ties among the rounded values
+cache = x[:24].reshape(2, 2, 6, 4, 50)[..., :32].contiguous()  # [2, Hkv, blocks, block_size, D]
+q = x[24:32].reshape(2, 4, 200)[..., :32]
+tables, lens = torch.tensor([[5, 0, 3], [2, 4, 1]]), torch.tensor([11, 7])
+for dtype in (torch.float32, torch.bfloat16):
+    for window in (None, 5):
+        got = fused_ops.decode_attention(q.to(dtype), cache.to(dtype), tables, lens, 0.2, window)
+        out[f"attention {dtype} {window}"] = got.float().view(torch.int32).tolist()
 json.dump(out, sys.stdout)
 """
 
@@ -209,6 +219,88 @@ def test_tied_experts_go_to_the_lower_one() -> None:
     assert weights.sum().item() == pytest.approx(1.0)
 
 
+def _attention(
+    lens: list[int] | None = None,
+    tables: list[list[int]] | None = None,
+    heads: int = 4,
+    cache_dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+) -> torch.Tensor:
+    """decode_attention over a cache of 3 blocks of 4 positions, 2 kv heads of 8 (one row)."""
+    cache = torch.randn(2, 2, 3, 4, 8).to(cache_dtype)
+    table = torch.tensor(tables if tables is not None else [[2, 0]])
+    length = torch.tensor(lens if lens is not None else [6])
+    if window is not None and window < 0:
+        out: torch.Tensor = torch.ops.nim_cpu.decode_attention(
+            torch.randn(1, heads, 8), cache, table, length, 1.0, window
+        )
+        return out
+    return fused_ops.decode_attention(torch.randn(1, heads, 8), cache, table, length, 1.0, window)
+
+
+def _gathered_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The reference: each row's blocks gathered by hand, its keys cut to its length (and window),
+    sdpa in float64."""
+    rows = []
+    kv_heads, dim = cache.shape[1], cache.shape[4]
+    for b in range(q.shape[0]):
+        length = int(lens[b])
+        keys = torch.cat([cache[0, :, int(block)] for block in tables[b]], dim=1)[:, :length].double()
+        values = torch.cat([cache[1, :, int(block)] for block in tables[b]], dim=1)[:, :length].double()
+        first = 0 if window is None else max(0, length - window)
+        queries = q[b].double().view(kv_heads, -1, dim)
+        scores = queries @ keys[:, first:].transpose(1, 2) * scale
+        rows.append((scores.softmax(-1) @ values[:, first:]).reshape(-1, dim))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("window", [None, 1, 24], ids=["full", "window-1", "window-24"])
+def test_decode_attention_reads_each_rows_blocks_in_place(dtype: torch.dtype, window: int | None) -> None:
+    """Each row over its own block table (blocks out of order, tables padded past its length),
+    grouped query heads, lengths at and across block edges: what the gathered rows give, in float64
+    (float32: to its rounding; 16-bit caches: one rounding of the output)."""
+    generator = torch.Generator().manual_seed(11)
+    block_size, blocks, kv_heads, heads, dim = 16, 20, 3, 9, 64
+    cache = torch.randn(2, kv_heads, blocks, block_size, dim, generator=generator).to(dtype)
+    lens = torch.tensor([1, 16, 17, 100, 5, 64])
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:7] for _ in lens])
+    q = (torch.randn(len(lens), heads, dim, generator=generator) * 2).to(dtype)
+    with torch.inference_mode():
+        got = fused_ops.decode_attention(q, cache, tables, lens, dim**-0.5, window)
+        assert got.dtype == dtype and got.shape == q.shape
+        want = _gathered_attention(q, cache, tables, lens, dim**-0.5, window)
+        assert (
+            _relative_error(got, want)
+            <= {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        )
+        for rows in (slice(0, 1), slice(3, 4), slice(1, 4)):  # alone, tables cut: the same bits
+            alone = fused_ops.decode_attention(
+                q[rows], cache, tables[rows, :7], lens[rows], dim**-0.5, window
+            )
+            assert torch.equal(alone, got[rows])
+        strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # q as a view of another layout
+        assert torch.equal(fused_ops.decode_attention(strided, cache, tables, lens, dim**-0.5, window), got)
+
+
+def test_decode_attention_of_huge_scores_stays_finite() -> None:
+    """Scores far apart (exp underflows to 0 for all but the largest) and a row of equal scores."""
+    cache = torch.zeros(2, 1, 2, 4, 16)
+    cache[0, 0, 0, 0] = 100.0  # the first key dominates
+    cache[1, 0, 0] = torch.arange(4.0)[:, None]  # value rows 0, 1, 2, 3
+    q = torch.ones(2, 1, 16)
+    q[1] = 0.0  # every score 0: the mean of the values
+    out = fused_ops.decode_attention(q, cache, torch.tensor([[0, 1], [0, 1]]), torch.tensor([4, 4]), 1.0)
+    assert torch.equal(out[0], torch.zeros(1, 16)) and torch.allclose(out[1], torch.full((1, 16), 1.5))
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -231,6 +323,12 @@ def test_tied_experts_go_to_the_lower_one() -> None:
             r"a \[W, H\] weight needs",
         ),
         (lambda: fused_ops.greedy(torch.ones(2, 16).bfloat16()), "float32"),
+        (lambda: _attention(lens=[9]), "length 9 is not within its table's 8 positions"),
+        (lambda: _attention(lens=[0]), "length 0 is not within"),
+        (lambda: _attention(tables=[[0, 7]]), "block id 7 out of range"),
+        (lambda: _attention(heads=3), "3 query heads over 2 kv heads"),
+        (lambda: _attention(cache_dtype=torch.bfloat16), "q and the cache must share a dtype"),
+        (lambda: _attention(window=-1), "window must be >= 0"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(call, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -298,7 +396,7 @@ def test_the_setting_and_the_start_up_check_decide(
     with caplog.at_level(logging.WARNING):
         chosen = cpu_fused_ops.choose(cpu, enabled=True)
     assert not chosen.used and "batch 3; aten's op sequences instead" in chosen.reason
-    assert "norms and routing run aten's ops" in caplog.text
+    assert "norms, routing and decode attention run aten's ops" in caplog.text
 
     def raises() -> str | None:
         raise RuntimeError("no kernel for this schema")
@@ -330,7 +428,9 @@ def test_a_model_built_with_them_matches_transformers(qwen3_moe: Path) -> None:
     assert blocks and all(block.native and type(block.gate) is torch.nn.Linear for block in blocks)
     # /v1/metadata says what runs fused: 3 layers' two norms, 3 x 2 q/k norms, the final one; 2 routers
     reason = cpu_fused_ops.path(model, cpu_fused_ops.choose(torch.device("cpu"), enabled=True)).reason
-    assert reason.startswith("13 RMSNorms (with their residual adds), 2 MoE routers, the greedy argmax")
+    assert reason.startswith(
+        "13 RMSNorms (with their residual adds), 2 MoE routers, the greedy argmax, decode attention"
+    )
     assert any(isinstance(m, PackedLinear) for m in model.modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe, dtype=torch.float32).eval()
     with torch.inference_mode():

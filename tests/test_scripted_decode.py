@@ -21,6 +21,7 @@ from service.config_loading import load_settings
 from service.engine.models.moe import SparseMoeBlock
 from service.engine.native import extension, w4a8
 from service.engine.protocol import GenerationRequest, SamplingParams
+from service.engine.torch.decode_path import DecodeAttention
 from service.engine.torch.engine import TorchEngine
 from service.engine.torch.loading import build_engine
 from service.engine.torch.lora_slots import LoraSlots
@@ -83,10 +84,12 @@ class _BothPaths:
         self.runner, self.scripted = runner, runner.scripted
         self.equal: list[bool] = []
         self.in_place = 0  # steps whose rows (one sequence's) read its blocks in place (else gathered)
+        self.native = 0  # steps attended through the native kernel's block tables
         self.rows: list[int] = []  # each step's decode rows
         runner.path = replace(runner.path, scripted=self)  # type: ignore[arg-type]
 
-    can_run = staticmethod(ScriptedDecoder.can_run)
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return self.scripted.can_run(meta)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         runner = self.runner
@@ -95,6 +98,7 @@ class _BothPaths:
         scripted = self.scripted(input_ids, positions, meta)  # rewrites the same cache slots alike
         self.equal.append(torch.equal(eager, scripted))
         self.in_place += meta.decode_block_run is not None
+        self.native += meta.decode_tables is not None
         self.rows.append(meta.num_decodes)
         return scripted
 
@@ -118,11 +122,15 @@ def _generate(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) ->
 def _assert_bitwise_alike(engine: TorchEngine) -> None:
     both = _BothPaths(engine)
     # A lone request (its blocks one run: read in place), then five at once of different lengths
-    # (gathered, batch sizes shrinking from 5 as they finish).
+    # (gathered, batch sizes shrinking from 5 as they finish); through the native kernel
+    # (DecodeAttention.NATIVE) every step reads its block tables in place instead.
     _generate(engine, [list(range(3, 40))], max_tokens=24)
     _generate(engine, [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(5)], max_tokens=20)
     assert both.equal and all(both.equal), f"{both.equal.count(False)} of {len(both.equal)} steps differ"
-    assert both.in_place >= 20 and len(both.equal) - both.in_place >= 15
+    if engine.core.runner.path.attention is DecodeAttention.NATIVE:
+        assert both.native == len(both.equal) >= 35 and both.in_place == 0
+    else:
+        assert both.native == 0 and both.in_place >= 20 and len(both.equal) - both.in_place >= 15
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +174,9 @@ def test_scripted_decode_matches_eager_bitwise(
         fused_ops = {path.name: path.used for path in engine.info.paths}["cpu_fused_ops"]
         assert fused_ops == (variant != "aten-ops" and extension.problem() is None)
         assert engine.core.runner.fused_sampling == fused_ops  # the greedy argmax too
+        # decode attention too, where the stack calls the kernel (Gemma 3's gathers its blocks)
+        native = fused_ops and architecture != "gemma3"
+        assert (engine.core.runner.path.attention is DecodeAttention.NATIVE) == native
         if architecture == "mixtral":  # its experts all in one W4A8 call where the kernel builds
             blocks = [m for m in engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
             fused = [block.experts.fused is not None for block in blocks]
@@ -263,14 +274,16 @@ def test_draft_verification_runs_scripted_as_decode_rows() -> None:
         both = _BothPaths(engine)
         got = [_generate(engine, [prompt], max_tokens=24)[0] for prompt in prompts]
         rows = both.rows
-        lone = len(rows)
+        lone, lone_native = len(rows), both.native
         got_together = _generate(engine, prompts, max_tokens=24)
         assert got == want and got_together == want_together
         assert all(both.equal), f"{both.equal.count(False)} of {len(both.equal)} steps differ"
         # Drafts were accepted (more than 20 on the float32 host this was written on, 20 with bf16
         # activations: the count follows the model's tokens, which the activation dtype moves).
         assert engine.core.speculator is not None and engine.core.speculator.counts.num_accepted_tokens >= 12
-        assert max(rows[:lone]) > 1 and both.in_place == lone  # a lone request's verify rows read in place
+        # a lone request's verify rows read in place (a block run, or the native kernel's tables)
+        native = engine.core.runner.path.attention is DecodeAttention.NATIVE
+        assert max(rows[:lone]) > 1 and (lone_native if native else both.in_place) == lone
         assert max(rows[lone:]) > 2  # two requests' rows, gathered
     finally:
         asyncio.run(engine.stop())

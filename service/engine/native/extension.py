@@ -2,7 +2,8 @@
 
 - w4a8.cpp: the W4A8 int4 linear and MoE ops (w4a8.py);
 - q8.cpp: the Q8 linear, int8 weights with a scale per block of 32 (q8.py);
-- fused_ops.cpp: RMSNorm (with its residual add) and MoE routing, each one op (fused_ops.py).
+- fused_ops.cpp: RMSNorm (with its residual add) and MoE routing, each one op (fused_ops.py);
+- decode_attention.cpp: decode rows' attention over the paged cache, read in place (fused_ops.py).
 
 w4a8.cpp and q8.cpp quantize their activations alike (quantize.h); isa.h chooses the instructions.
 
@@ -27,7 +28,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("w4a8.cpp", "q8.cpp", "fused_ops.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("w4a8.cpp", "q8.cpp", "fused_ops.cpp", "decode_attention.cpp")
+)
 NAME = "nim_cpu"  # the extension's name (its build directory under TORCH_EXTENSIONS_DIR)
 # A build lock older than this was left by a build that died (a build takes well under a minute);
 # torch.utils.cpp_extension would wait on it forever.

@@ -1,5 +1,7 @@
 """Fused CPU ops for a decode step's small steps (fused_ops.cpp): RMSNorm, with the residual add
-before it, MoE routing and the greedy sampler's argmax, each one op where aten runs a sequence.
+before it, MoE routing and the greedy sampler's argmax, each one op where aten runs a sequence; and
+decode rows' attention over the paged KV cache, each row's blocks read in place (decode_attention.cpp,
+where PagedAttention gathered them into a padded copy for sdpa).
 
 At one stream a decode step is a few hundred small ops between the weight-streaming matmuls, and
 after each matmul the small ops' dispatch and kernel code have left the caches: the residual
@@ -29,6 +31,8 @@ extension.define(
         "-> (Tensor, Tensor)",
         "route": "route(Tensor x, Tensor gate, int top_k, bool normalize) -> (Tensor, Tensor)",
         "greedy": "greedy(Tensor logits) -> (Tensor, Tensor)",
+        "decode_attention": "decode_attention(Tensor q, Tensor cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window=0) -> Tensor",
     }
 )
 
@@ -58,6 +62,39 @@ def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
     argmax); a row holding a NaN gets NaN (and id 0)."""
     values, ids = torch.ops.nim_cpu.greedy(logits)
     return values, ids
+
+
+def decode_attention(
+    q: Tensor,
+    cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+) -> Tensor:
+    """q [B, Hq, D] against one layer's paged cache [2, Hkv, blocks, block_size, D] (the same dtype),
+    each row over its own context_lens[b] keys through block_tables[b] (read in place), or their
+    last `window`: [B, Hq, D] (decode_attention.cpp). What PagedAttention's gathered sdpa computes
+    for a decode row (`_aten_attention`)."""
+    out: Tensor = torch.ops.nim_cpu.decode_attention(q, cache, block_tables, context_lens, scale, window or 0)
+    return out
+
+
+def _aten_attention(
+    q: Tensor, cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float, window: int | None
+) -> Tensor:
+    """The reference: each row's blocks gathered and its keys masked, then sdpa (PagedAttention._decode)."""
+    rows = []
+    _, kv_heads, _, block_size, dim = cache.shape
+    for b in range(q.shape[0]):
+        length = int(context_lens[b])
+        blocks = block_tables[b, : -(-length // block_size)]
+        keys, values = (cache[i, :, blocks].reshape(kv_heads, -1, dim)[:, :length] for i in (0, 1))
+        if window is not None:
+            keys, values = keys[:, -window:], values[:, -window:]
+        queries = q[b].view(kv_heads, -1, dim)
+        rows.append(F.scaled_dot_product_attention(queries, keys, values, scale=scale).reshape(-1, dim))
+    return torch.stack(rows)
 
 
 def _aten_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -116,7 +153,40 @@ def check() -> str | None:
                     and torch.equal(route(ts[part], g, _TOP_K, True)[0], weights[part])
                 ):
                     return f"the fused ops compute a row differently at batch {rows} ({dtype})"
-    return _greedy_problem(generator)
+    return _greedy_problem(generator) or _attention_problem(generator)
+
+
+# The attention check: query heads, kv heads, head size, block size, blocks; rows' lengths.
+_HEADS, _KV_HEADS, _DIM, _BLOCK, _BLOCKS = 6, 2, 64, 16, 12
+_LENGTHS = (1, 15, 16, 17, 40, 97, 3, 64)
+
+
+def _attention_problem(generator: torch.Generator) -> str | None:
+    """None where `decode_attention` computes what gathered sdpa computes for each row (to the
+    tolerance above), with and without a window, and each row alike whatever rows share the call."""
+    cache = torch.randn(2, _KV_HEADS, _BLOCKS, _BLOCK, _DIM, generator=generator)
+    q = torch.randn(len(_LENGTHS), _HEADS, _DIM, generator=generator) * 2
+    width = -(-max(_LENGTHS) // _BLOCK)
+    tables = torch.stack([torch.randperm(_BLOCKS, generator=generator)[:width] for _ in _LENGTHS])
+    lens = torch.tensor(_LENGTHS)
+    scale = _DIM**-0.5
+    with torch.inference_mode():
+        for dtype, tolerance in _TOLERANCE.items():
+            qs, c = q.to(dtype), cache.to(dtype)
+            for window in (None, 20):
+                got = decode_attention(qs, c, tables, lens, scale, window)
+                want = _aten_attention(qs.float(), c.float(), tables, lens, scale, window)
+                largest = want.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+                error = float(((got.float() - want).abs() / largest).max())
+                if not error <= tolerance:
+                    return f"the fused decode attention is {error:.2g} off sdpa ({dtype}, window {window})"
+                for rows, first in ((1, 0), (1, 5), (3, 2)):  # alone, their tables cut to their lengths
+                    part = slice(first, first + rows)
+                    needed = -(-int(lens[part].max()) // _BLOCK)
+                    alone = decode_attention(qs[part], c, tables[part, :needed], lens[part], scale, window)
+                    if not torch.equal(alone, got[part]):
+                        return f"the fused decode attention computes a row differently at batch {rows}"
+    return None
 
 
 def _greedy_problem(generator: torch.Generator) -> str | None:

@@ -1,4 +1,4 @@
-// The instructions the native CPU ops run (w4a8.cpp, fused_ops.cpp): torch's own CPU capability
+// The instructions the native CPU ops run (w4a8.cpp, q8.cpp, fused_ops.cpp, decode_attention.cpp): torch's own CPU capability
 // (ATEN_CPU_CAPABILITY lowers it) and the CPU's flags. 2: AVX-512 (with VNNI), 1: AVX2 (with FMA
 // and F16C), 0: portable C++. Every op computes alike on each, so the choice changes speed only.
 #pragma once

@@ -146,6 +146,7 @@ class TorchEngineCore:
         self.stats_publisher = StatsPublisher(
             self.pool, self.kv, self.scheduler, lora=adapters is not None, speculator=self.speculator
         )
+        fused_cpu_ops = any(path.name == "cpu_fused_ops" and path.used for path in info.paths)
         options = DecodeOptions(
             kernel=config.decode_kernel,
             enforce_eager=config.enforce_eager,
@@ -154,6 +155,7 @@ class TorchEngineCore:
             tensor_parallel=tp_group is not None,
             unified=config.unified_attention,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            native_attention=fused_cpu_ops,
         )
         self.runner = ModelRunner(
             model,
@@ -163,7 +165,7 @@ class TorchEngineCore:
             followers=tp_group,
             lora=lora_slots,
             grammars=self.grammar_compiler if info.features.guided_decoding else None,
-            fused_sampling=any(path.name == "cpu_fused_ops" and path.used for path in info.paths),
+            fused_sampling=fused_cpu_ops,
         )
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

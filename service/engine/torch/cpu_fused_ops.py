@@ -6,8 +6,10 @@ builds here (native/extension.py) and its start-up check passes (native/fused_op
 against the aten sequences they replace, every row alike at any batch size). Then every
 Llama-family RMSNorm (with the residual add before it) and every MoE layer's routing is one op
 (BuildOptions.cpu_fused_ops), in eager modules and the scripted decode alike, and so is the greedy
-sampler's argmax (ModelRunner.fused_sampling: the same ids and values); else aten's ops. Gemma 3's
-norms (1 + w, one rounding) keep aten's.
+sampler's argmax (ModelRunner.fused_sampling: the same ids and values) and decode rows' attention,
+each row reading its blocks of the paged cache in place (decode_path.DecodeAttention.NATIVE, where
+the cache holds the activations' dtype; Gemma 3's scripted step gathers its blocks); else aten's
+ops. Gemma 3's norms (1 + w, one rounding) keep aten's.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def choose(device: torch.device, enabled: bool) -> PathChoice:
         except Exception as error:  # an op that raises (a stale build, say): aten's ops, not a failed start
             problem = f"the fused ops' start-up check failed ({type(error).__name__}: {error})"
     if problem is not None:
-        log.warning("%s; norms and routing run aten's ops (%s skips them)", problem, SETTING)
+        log.warning(
+            "%s; norms, routing and decode attention run aten's ops (%s skips them)", problem, SETTING
+        )
         return PathChoice(NAME, False, f"{problem}; aten's op sequences instead", SETTING)
     return PathChoice(
         NAME,
@@ -67,6 +71,8 @@ def path(model: CausalLM, choice: PathChoice) -> PathChoice:
     routers = sum(isinstance(m, SparseMoeBlock) and m.native for m in model.modules())
     fused = [f"{norms} RMSNorms (with their residual adds)"] if norms else []
     fused += [f"{routers} MoE routers"] if routers else []
-    return replace(
-        choice, reason=f"{', '.join([*fused, 'the greedy argmax'])} as one native op each; {choice.reason}"
-    )
+    fused += [
+        "the greedy argmax",
+        "decode attention over the paged cache (where it holds the activations' dtype)",
+    ]
+    return replace(choice, reason=f"{', '.join(fused)} as one native op each; {choice.reason}")

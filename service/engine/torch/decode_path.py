@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 class DecodeAttention(enum.Enum):
     KERNEL = "the Triton paged kernel over block tables"
+    NATIVE = "the native CPU kernel over block tables, the cache read in place"
     GATHER = "gathered cache blocks"
 
 
@@ -67,8 +68,10 @@ class DecodePath:
     unified_reason: str = "not decided"  # why they do, or why not
 
     @classmethod
-    def eager(cls, pool: KVPool, model: CausalLM, kernel: bool, reason: str) -> DecodePath:
-        attention = DecodeAttention.KERNEL if kernel else DecodeAttention.GATHER
+    def eager(
+        cls, pool: KVPool, model: CausalLM, kernel: bool, reason: str, native: bool = False
+    ) -> DecodePath:
+        attention = DecodeAttention.KERNEL if kernel else _cpu_attention(pool, model, native)
         return cls("eager", attention, _reads_in_place(pool, model), reason)
 
     def choices(self) -> tuple[PathChoice, PathChoice]:
@@ -105,6 +108,9 @@ class DecodeOptions:
     tensor_parallel: bool = False
     unified: bool = True  # NIM_UNIFIED_ATTENTION: steps with prompt chunks may use the unified kernel
     max_num_batched_tokens: int = 0  # the step's token budget (the longest query run); 0: the context
+    native_attention: bool = (
+        False  # the CPU: decode rows may attend through the native op (NIM_CPU_FUSED_OPS)
+    )
 
 
 def choose_decode_path(
@@ -128,16 +134,16 @@ def choose_decode_path(
 
 def _choose(model: CausalLM, pool: KVPool, device: torch.device, options: DecodeOptions) -> DecodePath:
     if device.type == "cpu":
+        native = options.native_attention
         if options.enforce_eager:
-            return DecodePath.eager(pool, model, False, "NIM_ENFORCE_EAGER=1")
+            return DecodePath.eager(pool, model, False, "NIM_ENFORCE_EAGER=1", native)
         started = time.monotonic()
         built = ScriptedDecoder.build(model, pool)
         if isinstance(built, str):
-            return DecodePath.eager(pool, model, False, built)
+            return DecodePath.eager(pool, model, False, built, native)
         reason = f"compiled in {time.monotonic() - started:.2f} s"
-        return DecodePath(
-            "scripted", DecodeAttention.GATHER, _reads_in_place(pool, model), reason, scripted=built
-        )
+        attention = _cpu_attention(pool, model, native and built.native_attention)
+        return DecodePath("scripted", attention, _reads_in_place(pool, model), reason, scripted=built)
     why_not = _why_no_graphs(options)
     if why_not is not None:
         return DecodePath.eager(pool, model, options.kernel, why_not)
@@ -186,6 +192,12 @@ def _why_no_graphs(options: DecodeOptions) -> str | None:
     if options.enforce_eager:
         return "NIM_ENFORCE_EAGER=1"
     return None
+
+
+def _cpu_attention(pool: KVPool, model: CausalLM, native: bool) -> DecodeAttention:
+    """How CPU decode rows attend: the native op (fused_ops.decode_attention) where the fused CPU
+    ops run (`native`) and the cache holds the activations' dtype unscaled, else gathered blocks."""
+    return DecodeAttention.NATIVE if native and _reads_in_place(pool, model) else DecodeAttention.GATHER
 
 
 def _reads_in_place(pool: KVPool, model: CausalLM) -> bool:

@@ -440,13 +440,13 @@ class ModelRunner:
             return self._unified_metadata(plan)
         decode_blocks = mask = tables = lens = None
         run: tuple[int, int] | None = None
-        rows = _verify_rows(plan) if self.path.attention is DecodeAttention.GATHER else None
+        rows = _verify_rows(plan) if self.path.attention is not DecodeAttention.KERNEL else None
         row_lens, row_tables = rows or (plan.context_lens[:num_decodes], plan.block_tables[:num_decodes])
         num_rows = len(row_lens)
         if num_rows:
             width = cdiv(max(row_lens), self.block_size)
             lens = torch.tensor(row_lens, dtype=torch.long, device=device)
-            if self.path.attention is DecodeAttention.KERNEL:
+            if self.path.attention is not DecodeAttention.GATHER:  # a kernel reading the tables
                 scratch = self.pool.scratch_block
                 padded = [list(t) + [scratch] * (width - len(t)) for t in row_tables]
                 tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.models.attention import check_window
+from service.engine.native import fused_ops
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.triton_attention import paged_decode_attention
 from service.engine.torch.triton_unified_attention import paged_unified_attention
@@ -173,6 +174,11 @@ class PagedAttention:
     def _decode(self, layer: int, q: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         # q: [B, Hq, D]: one query per request, B requests side by side in the batch dimension.
         meta = self.meta
+        if meta.decode_tables is not None and meta.decode_lens is not None and q.device.type == "cpu":
+            # DecodeAttention.NATIVE: the cache read in place (fused_ops.decode_attention)
+            return fused_ops.decode_attention(
+                q, self.pool.data[layer], meta.decode_tables, meta.decode_lens, scale, window
+            )
         if meta.decode_tables is not None and meta.decode_lens is not None:
             scales = self.pool.scales[layer] if self.pool.scales is not None else None
             return paged_decode_attention(

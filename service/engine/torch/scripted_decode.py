@@ -56,7 +56,15 @@ from service.engine.native import fused_ops as _fused_ops  # noqa: F401  (declar
 from service.engine.torch.kv_pool import KVPool
 from service.engine.torch.paged_attention import AttentionMetadata, windowed_decode_mask
 from service.engine.torch.scripted_gemma import scripted_gemma_stack, window_of
-from service.engine.torch.scripted_ops import FLOAT, LinearArgs, attend, linear, linear_args, rotate_
+from service.engine.torch.scripted_ops import (
+    FLOAT,
+    LinearArgs,
+    attend,
+    attend_in_place,
+    linear,
+    linear_args,
+    rotate_,
+)
 
 # The linear layers of a decoder layer (CausalLM.linear_layers roles), in the stack's order.
 _ROLES = ("qkv", "o", "gate_up", "down")
@@ -175,12 +183,14 @@ def _decode_stack(
     cos: Tensor,  # [B, 1, D] (RotaryEmbedding.lookup_full)
     sin: Tensor,
     slots: Tensor,  # [B] cache slots of the new tokens
-    mask: Tensor,  # [B, 1, 1, L] additive
+    mask: Tensor | None,  # [B, 1, 1, L] additive (None: the native kernel reads `tables`)
     pools: list[Tensor],  # KVPool.data: one per layer
     block_ids: Tensor | None,  # gathered pool rows, or
     run_first: int,  # one sequence's ascending block run, read in place (block_ids None)
     run_count: int,
     block_size: int,
+    tables: Tensor | None,  # DecodeAttention.NATIVE: [B, N] block tables and [B] lengths
+    lens: Tensor | None,
     norms: list[Tensor],  # per layer: input, post-attention
     qk_norms: list[Tensor],  # per layer: q's weight per q head, then k's per k head (empty: none)
     firsts: list[int],  # per layer: the index of its first linear in the lists below
@@ -235,7 +245,13 @@ def _decode_stack(
             qk = qk_norms[layer] * torch.rms_norm(qk, [head_dim], None, eps)
         split = rotate_(qk, cos, sin).split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
         q, k = split[0], split[1]
-        out = attend(q, k, v, pools[layer], slots, mask, block_ids, run_first, run_count, block_size, scale)
+        if tables is not None and lens is not None:
+            out = attend_in_place(q, k, v, pools[layer], slots, tables, lens, scale)
+        else:
+            assert mask is not None
+            out = attend(
+                q, k, v, pools[layer], slots, mask, block_ids, run_first, run_count, block_size, scale
+            )
         i += 1
         attended = linear(out, kinds[i], weights[i], auxes[i], biases[i], groups[i], outs[i], pads[i])
         if fused_ops:
@@ -391,15 +407,24 @@ class ScriptedDecoder:
             return "the model is not on the CPU"
         return None
 
-    @staticmethod
-    def can_run(meta: AttentionMetadata) -> bool:
-        """Whether the step `meta` describes is one it runs: decodes only, attended on the CPU path."""
-        return not meta.prefills and meta.decode_mask is not None and meta.decode_tables is None
+    @property
+    def native_attention(self) -> bool:
+        """Whether its steps may attend through the native CPU kernel (DecodeAttention.NATIVE):
+        the Llama stack calls it; Gemma 3's gathers its cache blocks."""
+        return isinstance(self._stack, LlamaStack)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """Whether the step `meta` describes is one it runs: decodes only, attended on a CPU path
+        (gathered or in place through the native kernel's block tables, where it calls it)."""
+        if meta.prefills:
+            return False
+        native = meta.decode_tables is not None and meta.decode_tables.device.type == "cpu"
+        return meta.decode_mask is not None or (native and self.native_attention)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """input_ids, positions: [B] (one token per decode row) -> final-norm hidden states [B, hidden],
         bitwise `model(input_ids, positions, PagedAttention(pool, meta, ...))`."""
-        assert self.can_run(meta) and meta.decode_mask is not None
+        assert self.can_run(meta)
         stack = self._stack
         run = meta.decode_block_run
         first, count = run if run is not None else (0, 0)
@@ -408,8 +433,9 @@ class ScriptedDecoder:
         hidden = stack.embedding(input_ids)
         if isinstance(stack, LlamaStack):
             cos, sin = stack.rope_tables(positions, hidden.dtype)
+            tables = (meta.decode_tables, meta.decode_lens)
             llama: Tensor = _scripted_stack()(
-                hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, list(stack.norms),
+                hidden, cos, sin, meta.slot_mapping, meta.decode_mask, *cache, *tables, list(stack.norms),
                 self._qk_norms, *self._routing, *self._linears, stack.final_norm, *self._dims,
                 *self._experts, stack.fused_ops,
             )  # fmt: skip
@@ -419,6 +445,7 @@ class ScriptedDecoder:
         cos, sin = stack.rope_tables(positions, hidden.dtype)
         local_cos, local_sin = stack.local_rope_tables(positions, hidden.dtype)
         mask = meta.decode_mask
+        assert mask is not None, "Gemma 3's stack gathers its blocks (never DecodeAttention.NATIVE)"
         window_mask = mask if self._window is None else windowed_decode_mask(mask, self._window)
         windowed = [window is not None for window in stack.windows]
         gemma: Tensor = scripted_gemma_stack()(

@@ -108,6 +108,26 @@ def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x.mul_(cos).add_(rotated)
 
 
+def attend_in_place(
+    q: Tensor,  # [B, Hq, D], rotated
+    k: Tensor,  # [B, Hkv, D], rotated
+    v: Tensor,  # [B, Hkv, D]
+    pool: Tensor,  # KVPool.data[layer]: [2, Hkv, blocks, block_size, D]
+    slots: Tensor,  # [B] cache slots of the new tokens
+    tables: Tensor,  # [B, N] each row's block table
+    lens: Tensor,  # [B] each row's context length
+    scale: float,
+) -> Tensor:
+    """KVPool.write (a cache in the activations' dtype), then PagedAttention._decode through the
+    native kernel (DecodeAttention.NATIVE): [B, Hq * D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    data = pool.view(2, num_kv_heads, -1, head_dim)
+    data.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
+    out: Tensor = torch.ops.nim_cpu.decode_attention(q, pool, tables, lens, scale, 0)
+    return out.reshape(batch, num_heads * head_dim)
+
+
 def attend(
     q: Tensor,  # [B, Hq, D], rotated
     k: Tensor,  # [B, Hkv, D], rotated

@@ -1,0 +1,190 @@
+// Decode attention over the paged KV cache, read in place: each query row attends to its own
+// sequence's keys through its block table, with no gathered copy of the blocks and no padded mask.
+//
+// Why: the CPU decode step gathered every sequence's blocks into one padded tensor per layer
+// (index_select: 7-8 ms of a 40 ms step at 8 streams on the embedded model) and ran sdpa's flash
+// kernel over it with an additive mask (~56 us a layer at one stream, mostly its set-up around
+// 9 heads x a few hundred keys).
+//
+// What it computes, per row b and query head h (kv head h / (Hq / Hkv)), over the keys t in
+// [lo, len) with len = lens[b] and lo = len - window where a window applies (else 0):
+//   s_t = dot(q, k_t) * scale; p_t = exp(s_t - max s); out = sum_t p_t v_t / sum_t p_t
+// in float32, rounded once to the cache's dtype. Keys are read where they lie: token t of row b
+// at block tables[b, t / block_size], offset t % block_size.
+//
+// Invariants: a row's output depends on its query, its own keys and values and its length alone,
+// computed in one fixed order whatever the batch, the other rows' lengths or the threads (threads
+// split (row, head) pairs, never a sum): a decode row, a verification row and a lone decode of
+// the same token compute alike. Dots and the probabilities' sum run in lanes (lanes.h); exp is one
+// polynomial (Cephes' expf) written as plain float operations; the output sums each element over
+// t in order. So the AVX-512, AVX2 and portable copies give the same bits.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "isa.h"
+#include "lanes.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Work (multiply-adds) one thread should have before a call is split across threads.
+constexpr int64_t kWorkPerThread = 1 << 15;
+
+// exp(x - shift) for x <= shift, in place, and the results' sum in lanes: Cephes' expf, 2^k
+// times a polynomial of the remainder, about 1 ulp, written as plain float operations; below
+// float32's smallest normal result, 0.
+#define NIM_EXP_SUM(NAME, TARGET)                                                              \
+  TARGET float NAME(float* s, int64_t n, float shift) {                                        \
+    for (int64_t i = 0; i < n; ++i) {                                                          \
+      const float x = std::max(s[i] - shift, -87.33654f);                                      \
+      const float k = std::nearbyint(x * 1.44269504088896341f);                                \
+      float r = x - k * 0.693359375f;                                                          \
+      r = r - k * -2.12194440e-4f;                                                             \
+      float y = 1.9875691500e-4f;                                                              \
+      y = y * r + 1.3981999507e-3f;                                                            \
+      y = y * r + 8.3334519073e-3f;                                                            \
+      y = y * r + 4.1665795894e-2f;                                                            \
+      y = y * r + 1.6666665459e-1f;                                                            \
+      y = y * r + 5.0000001201e-1f;                                                            \
+      y = y * (r * r) + r + 1.0f;                                                              \
+      const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;                              \
+      float power;                                                                             \
+      std::memcpy(&power, &bits, sizeof(power));                                               \
+      s[i] = s[i] - shift < -87.33654f ? 0.f : y * power;                                      \
+    }                                                                                          \
+    float lanes[kLanes] = {0.f};                                                               \
+    const int64_t whole = n - n % kLanes;                                                      \
+    for (int64_t i = 0; i < whole; i += kLanes)                                                \
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += s[i + j];                               \
+    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += s[i];                              \
+    float sum = 0.f;                                                                           \
+    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                      \
+    return sum;                                                                                \
+  }
+
+NIM_EXP_SUM(exp_sum_avx512, __attribute__((target("avx512f"))))
+NIM_EXP_SUM(exp_sum_avx2, __attribute__((target("avx2,fma"))))
+NIM_EXP_SUM(exp_sum_portable, )
+
+inline float exp_sum(int64_t isa, float* s, int64_t n, float shift) {
+  if (isa == 2) return exp_sum_avx512(s, n, shift);
+  if (isa == 1) return exp_sum_avx2(s, n, shift);
+  return exp_sum_portable(s, n, shift);
+}
+
+// acc[d] += p * v[d], v widened as it is read: each element's sum over t in order.
+#define NIM_AXPY(NAME, TARGET)                                                  \
+  template <typename T>                                                         \
+  TARGET void NAME(float p, const T* v, float* acc, int64_t n) {                \
+    for (int64_t i = 0; i < n; ++i) acc[i] += p * widened(v[i]);                \
+  }
+
+NIM_AXPY(axpy_avx512, __attribute__((target("avx512f"))))
+NIM_AXPY(axpy_avx2, __attribute__((target("avx2"))))
+NIM_AXPY(axpy_portable, )
+
+template <typename T>
+inline void axpy(int64_t isa, float p, const T* v, float* acc, int64_t n) {
+  if (isa == 2) return axpy_avx512(p, v, acc, n);
+  if (isa == 1) return axpy_avx2(p, v, acc, n);
+  return axpy_portable(p, v, acc, n);
+}
+
+template <typename T>
+void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables, const int64_t* lens, int64_t batch,
+                 int64_t heads, int64_t kv_heads, int64_t blocks, int64_t block_size, int64_t dim, int64_t width,
+                 float scale, int64_t window, T* out) {
+  const int64_t group = heads / kv_heads, longest = *std::max_element(lens, lens + batch);
+  const int64_t values_at = kv_heads * blocks * block_size * dim;  // cache[1]
+  const int64_t grain = std::max<int64_t>(1, kWorkPerThread / std::max<int64_t>(1, 2 * longest * dim));
+  at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(dim), acc(dim), dots(longest);
+    std::vector<const T*> places(longest);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / heads, h = item % heads, kv = h / group;
+      const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + b * width;
+      const T* head_cache = cache + kv * blocks * block_size * dim;
+      widen(q + item * dim, dim, qf.data());
+      // Each key's place, block by block (no division per key): keys[i] is token first + i's.
+      int64_t placed = 0;
+      for (int64_t t = first; t < len;) {
+        const T* block = head_cache + table[t / block_size] * block_size * dim;
+        const int64_t stop = std::min(len, (t / block_size + 1) * block_size);
+        for (int64_t offset = t % block_size; t < stop; ++t, ++offset) places[placed++] = block + offset * dim;
+      }
+      float largest = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) {
+        dots[i] = dot(isa, qf.data(), places[i], dim) * scale;
+        largest = std::max(largest, dots[i]);
+      }
+      const float total = exp_sum(isa, dots.data(), n, largest);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < n; ++i) axpy(isa, dots[i], places[i] + values_at, acc.data(), dim);
+      for (float& a : acc) a = a / total;
+      T* o = out + item * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[d]);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "decode_attention: q must be a [B, Hq, D] CPU tensor");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.device().is_cpu(),
+              "decode_attention: the cache must be one layer's contiguous [2, Hkv, blocks, block_size, D]");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "decode_attention: q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "decode_attention: float32, bfloat16 or float16 only (a quantized cache is read elsewhere)");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = cache.size(1), blocks = cache.size(2), block_size = cache.size(3);
+  TORCH_CHECK(cache.size(4) == dim, "decode_attention: the cache's head size ", cache.size(4), " is not q's ", dim);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: ", heads, " query heads over ", kv_heads,
+              " kv heads");
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: none)");
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.dim() == 1 && lens.size(0) == batch,
+              "decode_attention: block_tables [B, W] and context_lens [B] must match q's B");
+  const int64_t width = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= width * block_size, "decode_attention: row ", b, "'s length ", len[b],
+                " is not within its table's ", width * block_size, " positions");
+    for (int64_t i = 0; i < (len[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < blocks, "decode_attention: block id ",
+                  table[b * width + i], " out of range");
+  }
+  const at::Tensor query = q.contiguous();
+  at::Tensor out = at::empty_like(query);
+  if (batch == 0) return out;
+  const float s = static_cast<float>(scale);
+  const int64_t isa = nim_cpu_isa();
+  if (q.scalar_type() == at::kFloat) {
+    attend_rows(isa, query.data_ptr<float>(), cache.data_ptr<float>(), table, len, batch, heads, kv_heads, blocks,
+                block_size, dim, width, s, window, out.data_ptr<float>());
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend_rows(isa, query.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(), table, len, batch, heads,
+                kv_heads, blocks, block_size, dim, width, s, window, out.data_ptr<c10::BFloat16>());
+  } else {
+    attend_rows(isa, query.data_ptr<c10::Half>(), cache.data_ptr<c10::Half>(), table, len, batch, heads, kv_heads,
+                blocks, block_size, dim, width, s, window, out.data_ptr<c10::Half>());
+  }
+  return out;
+}
+
+}  // namespace
+
+// The op's schema is declared in Python (fused_ops.py).
+TORCH_LIBRARY_IMPL(nim_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,68 @@
+// Float32 sums in fixed lanes, shared by the fused CPU ops (fused_ops.cpp, decode_attention.cpp).
+//
+// Sums run in 16 float32 lanes, element i in lane i % 16, then the lanes in order; products and
+// sums are never fused (the extension builds with -ffp-contract=off), so the AVX-512, AVX2 and
+// portable copies of each loop give the same bits. Everything here has internal linkage: each
+// translation unit holds its own copy.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+
+// A value as stored in T and read back: the rounding an aten op's output in T takes.
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// A stored value as float32: bf16 by its bits (a shift the compiler vectorises), others by cast.
+inline float widened(float v) { return v; }
+inline float widened(double v) { return static_cast<float>(v); }
+inline float widened(c10::Half v) { return static_cast<float>(v); }
+inline float widened(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// sum(a[i] * b[i]) over n elements, b widened to float32 as it is read, in lanes (see the
+// header). n need not be a multiple of 16.
+#define NIM_DOT(NAME, TARGET)                                                               \
+  template <typename T>                                                                     \
+  TARGET float NAME(const float* a, const T* b, int64_t n) {                                \
+    float lanes[kLanes] = {0.f};                                                            \
+    const int64_t whole = n - n % kLanes;                                                   \
+    for (int64_t i = 0; i < whole; i += kLanes)                                             \
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * widened(b[i + j]);        \
+    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += a[i] * widened(b[i]);           \
+    float sum = 0.f;                                                                        \
+    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                   \
+    return sum;                                                                             \
+  }
+
+NIM_DOT(dot_avx512, __attribute__((target("avx512f"))))
+NIM_DOT(dot_avx2, __attribute__((target("avx2"))))
+NIM_DOT(dot_portable, )
+
+template <typename T>
+inline float dot(int64_t isa, const float* a, const T* b, int64_t n) {
+  if (isa == 2) return dot_avx512(a, b, n);
+  if (isa == 1) return dot_avx2(a, b, n);
+  return dot_portable(a, b, n);
+}
+
+template <typename T>
+inline void widen(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = widened(src[i]);
+}
+
+}  // namespace
