@@ -11,7 +11,11 @@ sees: the small aten ops' dispatch and kernel code leave the caches with the wei
 - RMSNorm with the residual add: `x + residual`, then `weight * F.rms_norm(...)`, width 576;
 - the router of a 32-expert layer (hidden 512): F.linear, softmax, top-4, renormalised;
 - the greedy sampler's argmax over 49152 logits (sampler.greedy with and without `fused`), at 1,
-  8 and 32 rows.
+  8 and 32 rows;
+- decode attention, the embedded model's heads (9 query heads over 3 kv heads of 64, blocks of
+  16), rows of 200 and 600 keys: the engine's previous path (one row's blocks as a run read in
+  place, 8 rows' gathered by one index_select; sdpa with the additive mask: PagedAttention._decode
+  on gathered blocks) against the native op over the block tables (DecodeAttention.NATIVE).
 
 Prints one JSON document (with the command) and writes --out.
 """
@@ -45,6 +49,34 @@ def median_us(fn: Callable[[], object], before: Callable[[], object], reps: int)
         fn()
         times.append(time.perf_counter() - started)
     return round(statistics.median(times) * 1e6, 1)
+
+
+def _attention_pair(
+    rows: int, keys: int, generator: torch.Generator
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(the gathered path, the native op) for `rows` decode rows of `keys` keys each, bf16."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    width = -(-keys // block)
+    cache = torch.randn(2, kv_heads, rows * width + 1, block, dim, generator=generator).bfloat16()
+    q = torch.randn(rows, heads, dim, generator=generator).bfloat16()
+    tables = torch.arange(rows * width).view(rows, width)
+    lens = torch.full((rows,), keys)
+    mask = torch.zeros(rows, 1, 1, width * block, dtype=torch.bfloat16)
+    mask[..., keys:] = float("-inf")
+    planes = torch.arange(2 * kv_heads)[:, None] * cache.shape[2]
+    rows_of_pool = (planes + tables.flatten()[None, :]).flatten()  # KVPool.head_block_ids
+
+    def gathered() -> object:
+        if rows == 1:  # a run of blocks read in place (KVPool.run_pair)
+            both = cache[:, :, :width].reshape(2, kv_heads, width * block, dim)
+            k, v = both.unsqueeze(1).unbind(0)
+        else:  # KVPool.gather_pair
+            both = cache.view(-1, block, dim).index_select(0, rows_of_pool).view(2, kv_heads, rows, -1, dim)
+            k, v = both.transpose(1, 2).unbind(0)
+        queries = q.view(rows, kv_heads, heads // kv_heads, dim)
+        return F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=dim**-0.5)
+
+    return gathered, lambda: fused_ops.decode_attention(q, cache, tables, lens, dim**-0.5)
 
 
 def main() -> None:
@@ -91,6 +123,8 @@ def main() -> None:
             lambda logits=logits: greedy(logits),
             lambda logits=logits: greedy(logits, fused=True),
         )
+    for rows, keys in ((1, 200), (1, 600), (8, 200)):
+        cases[f"decode attention {rows}x{keys} keys"] = _attention_pair(rows, keys, generator)
     results = {}
     for name, (aten, fused) in cases.items():
         results[name] = {

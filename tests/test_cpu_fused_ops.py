@@ -290,6 +290,25 @@ def test_decode_attention_reads_each_rows_blocks_in_place(dtype: torch.dtype, wi
         assert torch.equal(fused_ops.decode_attention(strided, cache, tables, lens, dim**-0.5, window), got)
 
 
+def test_decode_attention_writes_the_rows_new_keys_as_the_pool_does_then_attends() -> None:
+    """With k, v and slots (the scripted step's one call): the cache afterwards is KVPool.write's,
+    and the output is attention over it, bitwise."""
+    generator = torch.Generator().manual_seed(12)
+    cache = torch.randn(2, 2, 5, 4, 8, generator=generator)
+    q, k, v = (torch.randn(3, n, 8, generator=generator) for n in (4, 2, 2))
+    tables, lens = torch.tensor([[3, 1], [0, 2], [4, 4]]), torch.tensor([6, 1, 4])
+    slots = torch.tensor([1 * 4 + 1, 0 * 4 + 0, 4 * 4 + 3])  # each row's last position
+    want_cache = cache.clone()
+    want_cache.view(2, 2, -1, 8).index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
+    want = fused_ops.decode_attention(q, want_cache, tables, lens, 0.3)
+    got = torch.ops.nim_cpu.decode_attention(q, cache, tables, lens, 0.3, 0, k, v, slots)
+    assert torch.equal(cache, want_cache) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot 80 out of range"):
+        torch.ops.nim_cpu.decode_attention(q, cache, tables, lens, 0.3, 0, k, v, torch.tensor([0, 1, 80]))
+    with pytest.raises(RuntimeError, match="come together"):
+        torch.ops.nim_cpu.decode_attention(q, cache, tables, lens, 0.3, 0, k, None, slots)
+
+
 def test_decode_attention_of_huge_scores_stays_finite() -> None:
     """Scores far apart (exp underflows to 0 for all but the largest) and a row of equal scores."""
     cache = torch.zeros(2, 1, 2, 4, 16)

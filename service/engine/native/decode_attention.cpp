@@ -136,8 +136,34 @@ void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables,
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, int64_t window) {
+// KVPool.write for a cache in the activations' dtype: row b's key and value heads into slot
+// slots[b] (block slots[b] / block_size, offset slots[b] % block_size), an exact copy.
+void write_slots(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  const int64_t rows = k.size(0), kv_heads = cache.size(1), blocks = cache.size(2), block_size = cache.size(3);
+  const int64_t dim = cache.size(4), bytes = dim * cache.element_size();
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k.size(1) == kv_heads && k.size(2) == dim,
+              "decode_attention: k and v must be [B, Hkv, D] as the cache's");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "decode_attention: k and v must share the cache's dtype");
+  const at::Tensor index = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == rows, "decode_attention: one slot per row of k");
+  const int64_t* slot = index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < blocks * block_size, "decode_attention: slot ", slot[b], " out of range");
+  const at::Tensor keys = k.contiguous(), values = v.contiguous();
+  const char* sources[2] = {static_cast<const char*>(keys.data_ptr()), static_cast<const char*>(values.data_ptr())};
+  char* base = static_cast<char*>(cache.data_ptr());
+  for (int64_t which = 0; which < 2; ++which)
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(base + (((which * kv_heads + h) * blocks * block_size) + slot[b]) * bytes,
+                    sources[which] + (b * kv_heads + h) * bytes, bytes);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
+                            const c10::optional<at::Tensor>& slots) {
   TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "decode_attention: q must be a [B, Hq, D] CPU tensor");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.device().is_cpu(),
               "decode_attention: the cache must be one layer's contiguous [2, Hkv, blocks, block_size, D]");
@@ -164,6 +190,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
       TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < blocks, "decode_attention: block id ",
                   table[b * width + i], " out of range");
   }
+  TORCH_CHECK(k.has_value() == v.has_value() && k.has_value() == slots.has_value(),
+              "decode_attention: k, v and slots come together");
+  if (k.has_value()) write_slots(cache, *k, *v, *slots);  // the rows' own keys first: they attend to them
   const at::Tensor query = q.contiguous();
   at::Tensor out = at::empty_like(query);
   if (batch == 0) return out;

@@ -31,8 +31,9 @@ extension.define(
         "-> (Tensor, Tensor)",
         "route": "route(Tensor x, Tensor gate, int top_k, bool normalize) -> (Tensor, Tensor)",
         "greedy": "greedy(Tensor logits) -> (Tensor, Tensor)",
-        "decode_attention": "decode_attention(Tensor q, Tensor cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor",
+        "decode_attention": "decode_attention(Tensor q, Tensor(a!) cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window=0, Tensor? k=None, Tensor? v=None, "
+        "Tensor? slots=None) -> Tensor",
     }
 )
 
@@ -75,7 +76,8 @@ def decode_attention(
     """q [B, Hq, D] against one layer's paged cache [2, Hkv, blocks, block_size, D] (the same dtype),
     each row over its own context_lens[b] keys through block_tables[b] (read in place), or their
     last `window`: [B, Hq, D] (decode_attention.cpp). What PagedAttention's gathered sdpa computes
-    for a decode row (`_aten_attention`)."""
+    for a decode row (`_aten_attention`). The scripted step passes the rows' new keys and values
+    [B, Hkv, D] and their slots too (k, v, slots), written first as KVPool.write writes them."""
     out: Tensor = torch.ops.nim_cpu.decode_attention(q, cache, block_tables, context_lens, scale, window or 0)
     return out
 

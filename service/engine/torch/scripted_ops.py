@@ -119,12 +119,9 @@ def attend_in_place(
     scale: float,
 ) -> Tensor:
     """KVPool.write (a cache in the activations' dtype), then PagedAttention._decode through the
-    native kernel (DecodeAttention.NATIVE): [B, Hq * D]."""
+    native kernel (DecodeAttention.NATIVE), in one op: [B, Hq * D]."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    data = pool.view(2, num_kv_heads, -1, head_dim)
-    data.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
-    out: Tensor = torch.ops.nim_cpu.decode_attention(q, pool, tables, lens, scale, 0)
+    out: Tensor = torch.ops.nim_cpu.decode_attention(q, pool, tables, lens, scale, 0, k, v, slots)
     return out.reshape(batch, num_heads * head_dim)
 
 
