@@ -10,6 +10,7 @@
 - a NaN row routes to valid experts and harms no other row; ties go to the lower expert; bad
   arguments are refused with the op's name;
 - the greedy sampler's fused argmax takes argmax's token and max's value (ties, -inf, NaN rows);
+- table RoPE, in place on strided views of q and k, is bitwise the three aten ops it replaces;
 - decode attention reads each row's blocks of the paged cache in place (out of order, padded
   tables, windows, grouped heads) and computes what the gathered rows give, each row alike alone or
   batched; scores far apart stay finite;
@@ -41,9 +42,11 @@ from service.engine.models.base import BuildOptions
 from service.engine.models.cpu_linear import PackedLinear
 from service.engine.models.loader import build_model, load_hf_dir
 from service.engine.models.moe import SparseMoeBlock
+from service.engine.models.rope import RotaryEmbedding, TableRope
 from service.engine.native import extension, fused_ops
 from service.engine.torch import cpu_fused_ops
 from service.engine.torch.sampler import greedy
+from service.model.config import ModelConfig
 from tests.test_model_moe import _hf_model
 from tests.test_tensor_parallel_serving import _distinct_tokens
 
@@ -282,8 +285,9 @@ def test_decode_attention_reads_each_rows_blocks_in_place(dtype: torch.dtype, wi
             <= {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
         )
         for rows in (slice(0, 1), slice(3, 4), slice(1, 4)):  # alone, tables cut: the same bits
+            needed = -(-int(lens[rows].max()) // block_size)
             alone = fused_ops.decode_attention(
-                q[rows], cache, tables[rows, :7], lens[rows], dim**-0.5, window
+                q[rows], cache, tables[rows, :needed], lens[rows], dim**-0.5, window
             )
             assert torch.equal(alone, got[rows])
         strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # q as a view of another layout
@@ -307,6 +311,46 @@ def test_decode_attention_writes_the_rows_new_keys_as_the_pool_does_then_attends
         torch.ops.nim_cpu.decode_attention(q, cache, tables, lens, 0.3, 0, k, v, torch.tensor([0, 1, 80]))
     with pytest.raises(RuntimeError, match="come together"):
         torch.ops.nim_cpu.decode_attention(q, cache, tables, lens, 0.3, 0, k, None, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_rope_is_bitwise_the_table_ropes_three_ops(dtype: torch.dtype) -> None:
+    """In place on q and k as views of the qkv projection's output (rows strided past them), and
+    the model's TableRope takes it where the fused ops run (RotaryEmbedding(native=True))."""
+    generator = torch.Generator().manual_seed(13)
+    config = ModelConfig(
+        architecture="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+        bos_token_id=None, eos_token_ids=(0,), torch_dtype=None,
+    )  # fmt: skip
+    rotary = RotaryEmbedding(config, native=True)
+    positions = torch.tensor([0, 5, 63, 17, 2])
+    rope = rotary.for_positions(positions, dtype)
+    assert isinstance(rope, TableRope) and rope.native
+    qkv = (torch.randn(5, 8 * 16 + 5, generator=generator) * 3).to(dtype)
+    fused, aten = qkv.clone(), qkv.clone()
+    rope(fused[:, : 6 * 16].view(5, 6, 16))
+    TableRope(rope.cos, rope.sin)(aten[:, : 6 * 16].view(5, 6, 16))
+    assert torch.equal(fused, aten) and not torch.equal(fused, qkv)  # the tail past q and k untouched
+    empty = torch.empty(0, 6, 16, dtype=dtype)
+    assert fused_ops.rope_(empty, rope.cos[:0], rope.sin[:0]).shape == (0, 6, 16)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        fused_ops.rope_(qkv[:, :96].view(5, 6, 16).double(), rope.cos, rope.sin)
+    with pytest.raises(RuntimeError, match="must be even"):
+        fused_ops.rope_(torch.ones(5, 1, 15, dtype=dtype), rope.cos[..., :15], rope.sin[..., :15])
+
+
+def test_decode_attention_of_a_nan_or_infinite_row_spoils_only_that_row() -> None:
+    cache = torch.randn(2, 1, 2, 4, 16, generator=torch.Generator().manual_seed(14))
+    q = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(15))
+    tables, lens = torch.tensor([[0, 1]] * 3), torch.tensor([5, 8, 3])
+    clean = fused_ops.decode_attention(q, cache, tables, lens, 0.25)
+    q[0, 1, 3] = float("nan")
+    q[2, 0, 0] = float("inf")
+    spoiled = fused_ops.decode_attention(q, cache, tables, lens, 0.25)
+    assert bool(spoiled[0, 1].isnan().all()) and torch.equal(spoiled[0, 0], clean[0, 0])
+    assert bool(spoiled[2, 0].isnan().any()) and torch.equal(spoiled[1], clean[1])
 
 
 def test_decode_attention_of_huge_scores_stays_finite() -> None:
@@ -448,8 +492,8 @@ def test_a_model_built_with_them_matches_transformers(qwen3_moe: Path) -> None:
     # /v1/metadata says what runs fused: 3 layers' two norms, 3 x 2 q/k norms, the final one; 2 routers
     reason = cpu_fused_ops.path(model, cpu_fused_ops.choose(torch.device("cpu"), enabled=True)).reason
     assert reason.startswith(
-        "13 RMSNorms (with their residual adds), 2 MoE routers, the greedy argmax, decode attention"
-    )
+        "13 RMSNorms (with their residual adds), 2 MoE routers, the rotary embedding, the greedy argmax as "
+    )  # and how decode rows attend, once the engine has chosen (tests/test_scripted_decode.py)
     assert any(isinstance(m, PackedLinear) for m in model.modules())
     reference = transformers.AutoModelForCausalLM.from_pretrained(qwen3_moe, dtype=torch.float32).eval()
     with torch.inference_mode():

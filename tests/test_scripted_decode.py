@@ -177,6 +177,10 @@ def test_scripted_decode_matches_eager_bitwise(
         # decode attention too, where the stack calls the kernel (Gemma 3's gathers its blocks)
         native = fused_ops and architecture != "gemma3"
         assert (engine.core.runner.path.attention is DecodeAttention.NATIVE) == native
+        reason = {path.name: path.reason for path in engine.info.paths}["cpu_fused_ops"]  # /v1/metadata's
+        if fused_ops:
+            assert ("blocks of the paged cache read in place" in reason) == native
+            assert ("decode attention gathers its cache blocks" in reason) == (not native)
         if architecture == "mixtral":  # its experts all in one W4A8 call where the kernel builds
             blocks = [m for m in engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
             fused = [block.experts.fused is not None for block in blocks]

@@ -85,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("a tensor-parallel model is built from its layout's local config")
         self.config = config
         self.model = LlamaModel(config, options)
-        self.rotary = RotaryEmbedding(config, options.fused_kernels)
+        self.rotary = RotaryEmbedding(config, options.fused_kernels, native=options.cpu_fused_ops)
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings

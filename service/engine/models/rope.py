@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from service.engine.models import triton_ops
+from service.engine.native import fused_ops
 from service.model.config import ModelConfig, UnsupportedModelError
 
 
@@ -68,10 +69,11 @@ class RotaryEmbedding(nn.Module):
     cos_cached: Tensor
     sin_cached: Tensor
 
-    def __init__(self, config: ModelConfig, fused: bool = False) -> None:
+    def __init__(self, config: ModelConfig, fused: bool = False, native: bool = False) -> None:
         super().__init__()
         self.config = config
         self.fused = fused  # the Triton kernel where the positions are on CUDA
+        self.native = native  # the CPU: TableRope as one native op (BuildOptions.cpu_fused_ops)
         half = config.head_dim // 2
         # Non-persistent: derived from the config, never part of a checkpoint.
         self.register_buffer(
@@ -117,7 +119,7 @@ class RotaryEmbedding(nn.Module):
         if self.fused and triton_ops.runs_on(positions) and self.config.head_dim in (64, 128, 256):
             return FusedRope(positions, self.cos_cached, self.sin_cached)
         cos, sin = self.lookup_full(positions, dtype)  # [T, 1, D] each
-        return TableRope(cos, sin)
+        return TableRope(cos, sin, self.native and positions.device.type == "cpu")
 
 
 class Rope(Protocol):
@@ -134,8 +136,11 @@ class TableRope:
 
     cos: Tensor  # [T, 1, D]: [cos, cos]
     sin: Tensor  # [T, 1, D]: [-sin, sin]
+    native: bool = False  # the three ops as one (native/fused_ops.rope_: bitwise theirs)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.native:
+            return fused_ops.rope_(x, self.cos, self.sin)
         rotated = x.roll(x.shape[-1] // 2, -1).mul_(self.sin)  # [x2, x1] * [-sin, sin]
         return x.mul_(self.cos).add_(rotated)
 

@@ -43,8 +43,10 @@ constexpr int64_t kWorkPerThread = 1 << 15;
 #define NIM_EXP_SUM(NAME, TARGET)                                                              \
   TARGET float NAME(float* s, int64_t n, float shift) {                                        \
     for (int64_t i = 0; i < n; ++i) {                                                          \
-      const float x = std::max(s[i] - shift, -87.33654f);                                      \
-      const float k = std::nearbyint(x * 1.44269504088896341f);                                \
+      const float d = s[i] - shift; /* NaN stays NaN through y; k is kept an integer */        \
+      const float x = std::max(d, -87.33654f);                                                 \
+      const float rounded_k = std::nearbyint(x * 1.44269504088896341f);                        \
+      const float k = rounded_k > -126.f ? rounded_k : -126.f;                                 \
       float r = x - k * 0.693359375f;                                                          \
       r = r - k * -2.12194440e-4f;                                                             \
       float y = 1.9875691500e-4f;                                                              \
@@ -54,10 +56,10 @@ constexpr int64_t kWorkPerThread = 1 << 15;
       y = y * r + 1.6666665459e-1f;                                                            \
       y = y * r + 5.0000001201e-1f;                                                            \
       y = y * (r * r) + r + 1.0f;                                                              \
-      const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;                              \
+      const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;        \
       float power;                                                                             \
       std::memcpy(&power, &bits, sizeof(power));                                               \
-      s[i] = s[i] - shift < -87.33654f ? 0.f : y * power;                                      \
+      s[i] = d < -87.33654f ? 0.f : y * power;                                                 \
     }                                                                                          \
     float lanes[kLanes] = {0.f};                                                               \
     const int64_t whole = n - n % kLanes;                                                      \

@@ -288,6 +288,56 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& input) {
   return {values, ids};
 }
 
+// TableRope (models/rope.py), in place: x * cos + roll(x, D / 2) * sin, each product rounded to T
+// and their sum rounded to T, as the three aten ops round them (bitwise theirs). x is [T, H, D]
+// with its last dimension contiguous (a view into the qkv projection's output); cos and sin
+// [T, 1, D] in x's dtype, signed as RotaryEmbedding.lookup_full makes them.
+template <typename T>
+void rope_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
+               const T* cos, const T* sin, int64_t table_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens * heads, grain_for(4 * dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, h = item % heads;
+      T* out = x + t * token_stride + h * head_stride;
+      const T* c = cos + t * table_stride;
+      const T* s = sin + t * table_stride;
+      widen(out, dim, row.data());
+      for (int64_t i = 0; i < dim; ++i) {
+        const float kept = rounded<T>(row[i] * widened(c[i]));
+        const float turned = rounded<T>(row[(i + half) % dim] * widened(s[i]));
+        out[i] = static_cast<T>(kept + turned);
+      }
+    }
+  });
+}
+
+at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu() && x.stride(2) == 1, "rope_: x must be a [T, H, D] CPU tensor "
+              "with its last dimension contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0, "rope_: the head size must be even");
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->dim() == 3 && table->size(0) == tokens && table->size(1) == 1 && table->size(2) == dim &&
+                    table->stride(2) == 1 && table->scalar_type() == x.scalar_type() && table->device().is_cpu(),
+                "rope_: cos and sin must be [T, 1, D] in x's dtype, their last dimension contiguous");
+  TORCH_CHECK(cos.stride(0) == sin.stride(0), "rope_: cos and sin must share their layout");
+  if (tokens == 0 || heads == 0) return x;
+  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows(x.data_ptr<float>(), tokens, heads, dim, ts, hs, cos.data_ptr<float>(), sin.data_ptr<float>(), cs);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rope_rows(x.data_ptr<c10::BFloat16>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::BFloat16>(),
+              sin.data_ptr<c10::BFloat16>(), cs);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kHalf, "rope_: float32, bfloat16 or float16 only");
+    rope_rows(x.data_ptr<c10::Half>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::Half>(),
+              sin.data_ptr<c10::Half>(), cs);
+  }
+  return x;
+}
+
 }  // namespace
 
 // The ops' schemas are declared in Python (fused_ops.py); these are their CPU implementations.
@@ -296,4 +346,5 @@ TORCH_LIBRARY_IMPL(nim_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("route", &route);
   m.impl("greedy", &greedy);
+  m.impl("rope_", &rope_);
 }

@@ -1,5 +1,6 @@
 """Fused CPU ops for a decode step's small steps (fused_ops.cpp): RMSNorm, with the residual add
-before it, MoE routing and the greedy sampler's argmax, each one op where aten runs a sequence; and
+before it, MoE routing, the greedy sampler's argmax and table RoPE, each one op where aten runs a
+sequence; and
 decode rows' attention over the paged KV cache, each row's blocks read in place (decode_attention.cpp,
 where PagedAttention gathered them into a padded copy for sdpa).
 
@@ -31,6 +32,7 @@ extension.define(
         "-> (Tensor, Tensor)",
         "route": "route(Tensor x, Tensor gate, int top_k, bool normalize) -> (Tensor, Tensor)",
         "greedy": "greedy(Tensor logits) -> (Tensor, Tensor)",
+        "rope_": "rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)",
         "decode_attention": "decode_attention(Tensor q, Tensor(a!) cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0, Tensor? k=None, Tensor? v=None, "
         "Tensor? slots=None) -> Tensor",
@@ -63,6 +65,19 @@ def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
     argmax); a row holding a NaN gets NaN (and id 0)."""
     values, ids = torch.ops.nim_cpu.greedy(logits)
     return values, ids
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """TableRope in place (models/rope.py: x * cos + roll(x, D / 2) * sin, each op's rounding to
+    x's dtype; bitwise `_aten_rope`): x [T, H, D] with its last dimension contiguous, cos and sin
+    [T, 1, D] as RotaryEmbedding.lookup_full makes them."""
+    out: Tensor = torch.ops.nim_cpu.rope_(x, cos, sin)
+    return out
+
+
+def _aten_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rotated = x.roll(x.shape[-1] // 2, -1).mul_(sin)
+    return x.mul_(cos).add_(rotated)
 
 
 def decode_attention(
@@ -155,7 +170,21 @@ def check() -> str | None:
                     and torch.equal(route(ts[part], g, _TOP_K, True)[0], weights[part])
                 ):
                     return f"the fused ops compute a row differently at batch {rows} ({dtype})"
-    return _greedy_problem(generator) or _attention_problem(generator)
+    return _greedy_problem(generator) or _attention_problem(generator) or _rope_problem(generator)
+
+
+def _rope_problem(generator: torch.Generator) -> str | None:
+    """None where `rope_` gives the aten sequence's bits, in place on a strided view of q and k."""
+    qkv = torch.randn(5, 3 * 64 + 17, generator=generator) * 3
+    angles = torch.rand(5, 1, 32, generator=generator) * 6
+    for dtype in _TOLERANCE:
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+        fused, aten = (qkv.to(dtype).clone()[:, : 3 * 64].view(5, 3, 64) for _ in range(2))
+        rope_(fused, cos, sin)
+        if not torch.equal(fused, _aten_rope(aten, cos, sin)):
+            return f"the fused RoPE differs from aten's ({dtype})"
+    return None
 
 
 # The attention check: query heads, kv heads, head size, block size, blocks; rows' lengths.

@@ -59,8 +59,9 @@ from service.engine.protocol import (
     TokenLogprob,
 )
 from service.engine.speculative_config import SpeculativeConfig
+from service.engine.torch import cpu_fused_ops
 from service.engine.torch.block_pool import BlockPool
-from service.engine.torch.decode_path import DecodeOptions, choose_decode_path
+from service.engine.torch.decode_path import DecodeAttention, DecodeOptions, choose_decode_path
 from service.engine.torch.engine_stats import StatsPublisher
 from service.engine.torch.kv_cache_manager import KVCacheManager
 from service.engine.torch.kv_pool import KVCacheSpec, KVPool
@@ -177,7 +178,12 @@ class TorchEngineCore:
     @property
     def info(self) -> EngineInfo:
         """What this engine is, with the decode path's decisions (the graphs' once captured)."""
-        paths = (*self._info.paths, *self.runner.path.choices(), self._speculation)
+        native = self.runner.path.attention is DecodeAttention.NATIVE
+        loaded = (
+            cpu_fused_ops.with_decode_attention(path, native) if path.name == cpu_fused_ops.NAME else path
+            for path in self._info.paths
+        )
+        paths = (*loaded, *self.runner.path.choices(), self._speculation)
         return replace(self._info, paths=paths)
 
     @property

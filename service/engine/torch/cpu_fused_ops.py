@@ -6,7 +6,8 @@ builds here (native/extension.py) and its start-up check passes (native/fused_op
 against the aten sequences they replace, every row alike at any batch size). Then every
 Llama-family RMSNorm (with the residual add before it) and every MoE layer's routing is one op
 (BuildOptions.cpu_fused_ops), in eager modules and the scripted decode alike, and so is the greedy
-sampler's argmax (ModelRunner.fused_sampling: the same ids and values) and decode rows' attention,
+sampler's argmax (ModelRunner.fused_sampling: the same ids and values), the table RoPE (bitwise
+its three aten ops) and decode rows' attention,
 each row reading its blocks of the paged cache in place (decode_path.DecodeAttention.NATIVE, where
 the cache holds the activations' dtype; Gemma 3's scripted step gathers its blocks); else aten's
 ops. Gemma 3's norms (1 + w, one rounding) keep aten's.
@@ -24,6 +25,7 @@ from torch import nn
 from service.engine.models.base import CausalLM
 from service.engine.models.llama_layers import RMSNorm
 from service.engine.models.moe import SparseMoeBlock
+from service.engine.models.rope import RotaryEmbedding
 from service.engine.native import extension, fused_ops
 from service.engine.protocol import PathChoice
 
@@ -71,8 +73,20 @@ def path(model: CausalLM, choice: PathChoice) -> PathChoice:
     routers = sum(isinstance(m, SparseMoeBlock) and m.native for m in model.modules())
     fused = [f"{norms} RMSNorms (with their residual adds)"] if norms else []
     fused += [f"{routers} MoE routers"] if routers else []
-    fused += [
-        "the greedy argmax",
-        "decode attention over the paged cache (where it holds the activations' dtype)",
-    ]
+    rotary = getattr(model, "rotary", None)
+    fused += ["the rotary embedding"] if isinstance(rotary, RotaryEmbedding) and rotary.native else []
+    fused += ["the greedy argmax"]
     return replace(choice, reason=f"{', '.join(fused)} as one native op each; {choice.reason}")
+
+
+def with_decode_attention(choice: PathChoice, native: bool) -> PathChoice:
+    """`path`'s choice with how decode rows attend, once the engine's decode path is chosen
+    (decode_path.DecodeAttention.NATIVE where the cache holds the activations' dtype and the step
+    calls the op; Gemma 3's scripted step and int8/fp8 caches gather their blocks)."""
+    if not choice.used:
+        return choice
+    if native:
+        how = "decode attention too, each row's blocks of the paged cache read in place"
+    else:
+        how = "decode attention gathers its cache blocks (a quantized cache, or Gemma 3's scripted step)"
+    return replace(choice, reason=f"{choice.reason}; {how}")

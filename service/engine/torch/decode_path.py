@@ -8,12 +8,15 @@ sequences verify drafts, each verified token a decode row) runs one of three way
   CPU, a Llama-shaped model over an unquantized cache, no tensor parallelism, no LoRA);
 - eager: the model's own forward over PagedAttention.
 Steps that are not decode-only (prefills, mixed steps, prompt logprobs) and steps with LoRA
-rows run eagerly whatever the path. Eager decodes attend one of two ways, also decided here:
-`kernel` (the Triton paged kernel over block tables, CUDA) or `gather` (the blocks gathered into
-one tensor; the rows of one sequence, a lone decode or its draft verification, whose blocks form
-one ascending run read them in place when the cache holds the activations' dtype unscaled:
-`in_place_runs`). On the CPU a step of decodes and draft verifications is decode-only: each
-verified token is a decode row of its own (model_runner._verify_rows).
+rows run eagerly whatever the path. Decodes attend one of three ways, also decided here:
+`kernel` (the Triton paged kernel over block tables, CUDA), `native` (the CPU: the native op over
+block tables, each row's blocks read in place, where the fused CPU ops run and the cache holds the
+activations' dtype; in the scripted Llama-family step and eagerly, not in Gemma 3's scripted
+step) or `gather` (the blocks gathered into one tensor; the rows of one sequence, a lone decode or
+its draft verification, whose blocks form one ascending run read them in place when the cache
+holds the activations' dtype unscaled: `in_place_runs`). On the CPU a step of decodes and draft
+verifications is decode-only: each verified token is a decode row of its own
+(model_runner._verify_rows).
 
 Steps with prefill chunks attend, on CUDA with the kernel, through the unified Triton kernel (one
 launch per layer for the whole step, nothing gathered: `unified_steps`) when a check at start
@@ -23,7 +26,8 @@ NIM_UNIFIED_ATTENTION=off, or the CPU) through gathered blocks, with the reason 
 
 The runner holds the DecodePath and every place that used to decide reads it: the runner's
 step (graphs or not), its forward (scripted or not), its attention metadata (kernel, gather,
-in-place runs), and the tensor-parallel worker ranks (eager, the same attention as rank 0).
+in-place runs), and the tensor-parallel worker ranks (eager, the same attention as rank 0: native
+where its fused CPU ops run, as rank 0's do).
 """
 
 from __future__ import annotations

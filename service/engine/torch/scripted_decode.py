@@ -243,7 +243,9 @@ def _decode_stack(
             qk = torch.ops.nim_cpu.rms_norm(qk, qk_norms[layer], eps)
         elif len(qk_norms) > 0:
             qk = qk_norms[layer] * torch.rms_norm(qk, [head_dim], None, eps)
-        split = rotate_(qk, cos, sin).split([num_heads, num_kv_heads], 1)  # type: ignore[no-untyped-call]
+        # TableRope: one native op where the fused CPU ops run (bitwise the three aten ops)
+        qk = torch.ops.nim_cpu.rope_(qk, cos, sin) if fused_ops else rotate_(qk, cos, sin)
+        split = qk.split([num_heads, num_kv_heads], 1)
         q, k = split[0], split[1]
         if tables is not None and lens is not None:
             out = attend_in_place(q, k, v, pools[layer], slots, tables, lens, scale)

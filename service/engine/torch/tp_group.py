@@ -289,7 +289,8 @@ def _serve_rank(rank: int, setup: RankSetup, pipe: Connection) -> None:
     pipe.send(("loaded", loaded.propose_blocks(config, setup.size)))
     blocks = pipe.recv()
     pool = KVPool(loaded.kv_spec, blocks, device)
-    path = DecodePath.eager(pool, loaded.model, loaded.decode_kernel, "a tensor-parallel worker rank")
+    native = any(choice.name == "cpu_fused_ops" and choice.used for choice in loaded.paths)  # as rank 0
+    path = DecodePath.eager(pool, loaded.model, loaded.decode_kernel, "a tensor-parallel worker rank", native)
     runner = ModelRunner(loaded.model, pool, device, path, lora=loaded.lora)
     freeze_startup_heap()
     pipe.send(("ready",))
