@@ -41,7 +41,7 @@ from service.engine.models.quant import (
     NVFP4Weight,
     QuantizedWeight,
 )
-from service.engine.native import w4a8
+from service.engine.native import quantize, w4a8
 from service.engine.precision import SPECS
 from service.engine.precision import precision_mode as _precision_mode
 from service.model.quantization import QuantizationError
@@ -162,8 +162,8 @@ class Int4Linear(QuantLinear):
     def _w4a8_problem(weight: Int4Weight) -> str | None:
         """Why `weight` cannot run on the W4A8 kernel, or None."""
         k, group = weight.shape[1], weight.group_size
-        if k % w4a8.BLOCK or group % w4a8.BLOCK:
-            return f"{k} inputs in groups of {group} are not whole blocks of {w4a8.BLOCK}"
+        if k % quantize.BLOCK or group % quantize.BLOCK:
+            return f"{k} inputs in groups of {group} are not whole blocks of {quantize.BLOCK}"
         return w4a8.scales_problem(weight.scale, weight.zero)
 
     def attach_dense(self) -> str | None:

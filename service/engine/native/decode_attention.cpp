@@ -61,14 +61,7 @@ constexpr int64_t kWorkPerThread = 1 << 15;
       std::memcpy(&power, &bits, sizeof(power));                                               \
       s[i] = d < -87.33654f ? 0.f : y * power;                                                 \
     }                                                                                          \
-    float lanes[kLanes] = {0.f};                                                               \
-    const int64_t whole = n - n % kLanes;                                                      \
-    for (int64_t i = 0; i < whole; i += kLanes)                                                \
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += s[i + j];                               \
-    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += s[i];                              \
-    float sum = 0.f;                                                                           \
-    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                      \
-    return sum;                                                                                \
+    NIM_RETURN_LANE_SUM(n, i, s[i])                                                            \
   }
 
 NIM_EXP_SUM(exp_sum_avx512, __attribute__((target("avx512f"))))

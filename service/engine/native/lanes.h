@@ -34,19 +34,26 @@ inline float widened(c10::BFloat16 v) {
   return out;
 }
 
-// sum(a[i] * b[i]) over n elements, b widened to float32 as it is read, in lanes (see the
-// header). n need not be a multiple of 16.
+// Statements ending a function that returns the sum of TERM over i in [0, n), in lanes (see the
+// header): TERM is an expression of the index named by I. n need not be a multiple of 16.
+#define NIM_RETURN_LANE_SUM(n, I, TERM)                                                     \
+  float lanes[kLanes] = {0.f};                                                              \
+  const int64_t whole = (n) - (n) % kLanes;                                                 \
+  for (int64_t base = 0; base < whole; base += kLanes)                                      \
+    for (int64_t j = 0; j < kLanes; ++j) {                                                  \
+      const int64_t I = base + j;                                                           \
+      lanes[j] += (TERM);                                                                   \
+    }                                                                                       \
+  for (int64_t I = whole; I < (n); ++I) lanes[I - whole] += (TERM);                         \
+  float sum = 0.f;                                                                          \
+  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                     \
+  return sum;
+
+// sum(a[i] * b[i]) over n elements, b widened to float32 as it is read, in lanes.
 #define NIM_DOT(NAME, TARGET)                                                               \
   template <typename T>                                                                     \
   TARGET float NAME(const float* a, const T* b, int64_t n) {                                \
-    float lanes[kLanes] = {0.f};                                                            \
-    const int64_t whole = n - n % kLanes;                                                   \
-    for (int64_t i = 0; i < whole; i += kLanes)                                             \
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * widened(b[i + j]);        \
-    for (int64_t i = whole; i < n; ++i) lanes[i - whole] += a[i] * widened(b[i]);           \
-    float sum = 0.f;                                                                        \
-    for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];                                   \
-    return sum;                                                                             \
+    NIM_RETURN_LANE_SUM(n, i, a[i] * widened(b[i]))                                         \
   }
 
 NIM_DOT(dot_avx512, __attribute__((target("avx512f"))))

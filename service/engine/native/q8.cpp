@@ -37,7 +37,6 @@ namespace {
 constexpr int64_t kTile = 16;                        // output rows per tile
 constexpr int64_t kParts = kBlock / 4;               // 4-input parts per block
 constexpr int64_t kTileBlockBytes = kTile * kBlock;  // one tile's weights for one block
-constexpr int kRows = 4;                             // input rows per pass over a tile
 // Weight bytes one thread should have at least before a call is split across threads.
 constexpr int64_t kBytesPerThread = 32 * 1024;
 
@@ -136,25 +135,22 @@ void tile_avx2(const int8_t* w, const c10::Half* sm, Rows rows, int64_t k) {
   }
 }
 
-template <int R> struct Vnni { static void run(const int8_t* w, const c10::Half* sm, Rows r, int64_t k) { tile_vnni<R>(w, sm, r, k); } };
-template <int R> struct Avx2 { static void run(const int8_t* w, const c10::Half* sm, Rows r, int64_t k) { tile_avx2<R>(w, sm, r, k); } };
-template <int R> struct Portable { static void run(const int8_t* w, const c10::Half* sm, Rows r, int64_t k) { tile_portable<R>(w, sm, r, k); } };
-
-// Every quantized row over one tile through `Kernel<R>`, kRows at a time, then the rest.
-template <template <int> class Kernel>
-void tile_all_rows(const int8_t* w, const c10::Half* sm, const Quantized& qx, int64_t m_rows, int64_t k, float* acc) {
+// Every quantized row over one tile, kRows at a time, then the rest; isa: 0 portable, 1 AVX2,
+// 2 AVX-512 VNNI (auto_isa picks: torch's CPU capability and the CPU).
+void tile_rows(int64_t isa, const int8_t* w, const c10::Half* sm, const Quantized& qx, int64_t m_rows, int64_t k,
+               float* acc) {
   const int64_t blocks = k / kBlock;
-  auto at = [&](int64_t row) {
-    return Rows{qx.q.data() + row * k, qx.d.data() + row * blocks, qx.isums.data() + row * blocks, acc + row * kTile};
-  };
-  int64_t m = 0;
-  for (; m + kRows <= m_rows; m += kRows) Kernel<kRows>::run(w, sm, at(m), k);
-  switch (m_rows - m) {
-    case 3: Kernel<3>::run(w, sm, at(m), k); break;
-    case 2: Kernel<2>::run(w, sm, at(m), k); break;
-    case 1: Kernel<1>::run(w, sm, at(m), k); break;
-    default: break;
-  }
+  row_passes(m_rows, [&](auto passed, int64_t m) {
+    constexpr int R = decltype(passed)::value;
+    const Rows rows{qx.q.data() + m * k, qx.d.data() + m * blocks, qx.isums.data() + m * blocks, acc + m * kTile};
+    if (isa == 2) {
+      tile_vnni<R>(w, sm, rows, k);
+    } else if (isa == 1) {
+      tile_avx2<R>(w, sm, rows, k);
+    } else {
+      tile_portable<R>(w, sm, rows, k);
+    }
+  });
 }
 
 template <typename T>
@@ -171,13 +167,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, in
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* wt = w + t * blocks * kTileBlockBytes;
       const c10::Half* st = s + t * blocks * kTile;
-      if (isa == 2) {
-        tile_all_rows<Vnni>(wt, st, qx, m_rows, k, acc.data());
-      } else if (isa == 1) {
-        tile_all_rows<Avx2>(wt, st, qx, m_rows, k, acc.data());
-      } else {
-        tile_all_rows<Portable>(wt, st, qx, m_rows, k, acc.data());
-      }
+      tile_rows(isa, wt, st, qx, m_rows, k, acc.data());
       const int64_t columns = std::min(kTile, n - t * kTile);
       for (int64_t m = 0; m < m_rows; ++m) std::memcpy(y + m * n + t * kTile, acc.data() + m * kTile, columns * sizeof(float));
     }

@@ -21,13 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from service.engine.native import extension
+from service.engine.native.quantize import BLOCK, rounded_activations
 from service.model.quantization import QuantizationError
 
 extension.define(
     {"q8_linear": "q8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, int isa=-1) -> Tensor"}
 )
 TILE = 16  # output rows per tile of the packed layout
-BLOCK = 32  # inputs per weight scale and per activation block
+# Weights are scaled per BLOCK inputs too, so a weight block meets one activation block.
 ISAS = {"portable": 0, "avx2": 1, "avx512_vnni": 2}
 _HALF_MAX = float(torch.finfo(torch.float16).max)
 _QUANTIZE_ROWS = 4096  # rows quantized at a time
@@ -115,16 +116,9 @@ def linear(x: Tensor, packed: Tensor, scales: Tensor, out_features: int, isa: in
 
 
 def reference(x: Tensor, packed: Tensor, scales: Tensor, out_features: int) -> Tensor:
-    """What the kernel computes, in float64: each block of 32 inputs rounded to int8 steps of
-    max|x| / 127 (float32 arithmetic, as the kernel rounds them), times the dequantized weight."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // BLOCK, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # 127 / amax as the kernel divides (aten's scalar / tensor multiplies by a reciprocal instead)
-    inverse = torch.full_like(amax, 127.0).div_(amax)
-    steps = (blocks * torch.where((amax > 0) & inverse.isfinite(), inverse, 0.0)).round().clamp(-127, 127)
-    rounded = (steps.double() * (amax / 127.0).double()).view(m, k)
-    return rounded @ dequantize(packed, scales, out_features).double().t()
+    """What the kernel computes, in float64: the inputs as the kernel rounds them
+    (`quantize.rounded_activations`) times the dequantized weight."""
+    return rounded_activations(x) @ dequantize(packed, scales, out_features).double().t()
 
 
 class Q8Linear(nn.Module):

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -97,6 +98,24 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t
       }
     }
   });
+}
+
+constexpr int kRows = 4;  // quantized input rows per pass over a weight tile
+
+// Rows [0, m_rows) in passes over one weight tile: pass(std::integral_constant<int, R>, first row)
+// for R = kRows as often as they fill, then once for the R < kRows left. R is a compile-time
+// constant so each kernel keeps its R rows' accumulators in registers.
+template <class Pass>
+inline void row_passes(int64_t m_rows, Pass&& pass) {
+  static_assert(kRows == 4, "the remainder cases below are 3, 2 and 1");
+  int64_t m = 0;
+  for (; m + kRows <= m_rows; m += kRows) pass(std::integral_constant<int, kRows>{}, m);
+  switch (m_rows - m) {
+    case 3: pass(std::integral_constant<int, 3>{}, m); break;
+    case 2: pass(std::integral_constant<int, 2>{}, m); break;
+    case 1: pass(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
 }
 
 }  // namespace

@@ -185,39 +185,23 @@ void tile_portable(const uint8_t* w, const c10::Half* sm, Rows rows, int64_t k, 
     tile_scalar(w, sm, rows.xq + r * k, rows.d + r * blocks, rows.sums + r * groups, k, group, rows.acc + r * kTile);
 }
 
-constexpr int kRows = 4;  // input rows per pass over a tile
-
 // Runs m_rows quantized rows (row r's values at q + r * k, scales at d + r * k / 32, group sums
-// at sums + r * k / group) over one tile through `Kernel<R>`, kRows at a time, then the rest.
-template <template <int> class Kernel>
-void tile_all_rows(const uint8_t* w, const c10::Half* sm, const int8_t* q, const float* d, const float* sums,
-                   int64_t m_rows, int64_t k, int64_t group, float* acc) {
-  const int64_t blocks = k / kBlock, groups = k / group;
-  int64_t m = 0;
-  auto at = [&](int64_t row) { return Rows{q + row * k, d + row * blocks, sums + row * groups, acc + row * kTile}; };
-  for (; m + kRows <= m_rows; m += kRows) Kernel<kRows>::run(w, sm, at(m), k, group);
-  switch (m_rows - m) {
-    case 3: Kernel<3>::run(w, sm, at(m), k, group); break;
-    case 2: Kernel<2>::run(w, sm, at(m), k, group); break;
-    case 1: Kernel<1>::run(w, sm, at(m), k, group); break;
-    default: break;
-  }
-}
-
-template <int R> struct Vnni { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_vnni<R>(w, sm, r, k, g); } };
-template <int R> struct Avx2 { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_avx2<R>(w, sm, r, k, g); } };
-template <int R> struct Portable { static void run(const uint8_t* w, const c10::Half* sm, Rows r, int64_t k, int64_t g) { tile_portable<R>(w, sm, r, k, g); } };
-
-// isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (auto_isa picks: torch's CPU capability and the CPU).
+// at sums + r * k / group) over one tile, kRows at a time, then the rest; isa: 0 portable, 1 AVX2,
+// 2 AVX-512 VNNI (auto_isa picks: torch's CPU capability and the CPU).
 void tile_rows(int64_t isa, const uint8_t* w, const c10::Half* sm, const int8_t* q, const float* d, const float* sums,
                int64_t m_rows, int64_t k, int64_t group, float* acc) {
-  if (isa == 2) {
-    tile_all_rows<Vnni>(w, sm, q, d, sums, m_rows, k, group, acc);
-  } else if (isa == 1) {
-    tile_all_rows<Avx2>(w, sm, q, d, sums, m_rows, k, group, acc);
-  } else {
-    tile_all_rows<Portable>(w, sm, q, d, sums, m_rows, k, group, acc);
-  }
+  const int64_t blocks = k / kBlock, groups = k / group;
+  row_passes(m_rows, [&](auto passed, int64_t m) {
+    constexpr int R = decltype(passed)::value;
+    const Rows rows{q + m * k, d + m * blocks, sums + m * groups, acc + m * kTile};
+    if (isa == 2) {
+      tile_vnni<R>(w, sm, rows, k, group);
+    } else if (isa == 1) {
+      tile_avx2<R>(w, sm, rows, k, group);
+    } else {
+      tile_portable<R>(w, sm, rows, k, group);
+    }
+  });
 }
 
 // Weight bytes one thread should have at least before a call is split across threads.

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from service.engine.native import extension
+from service.engine.native.quantize import BLOCK, rounded_activations
 
 # The ops' schemas (w4a8.cpp registers their CPU implementations and w4a8_isa).
 extension.define(
@@ -36,7 +37,6 @@ extension.define(
     }
 )
 TILE = 16  # output rows per tile of the packed layout
-BLOCK = 32  # activations per int8 block
 
 
 def problem() -> str | None:
@@ -119,16 +119,9 @@ def linear(x: Tensor, packed: Tensor, sm: Tensor, group: int, out_features: int)
 
 
 def reference(x: Tensor, packed: Tensor, sm: Tensor, group: int, out_features: int) -> Tensor:
-    """What the kernel computes, in float64: each block of 32 inputs rounded to int8 steps of
-    max|x| / 127 (float32 arithmetic, as the kernel rounds them), times the dequantized weight."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // BLOCK, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # 127 / amax as the kernel divides (aten's scalar / tensor multiplies by a reciprocal instead)
-    inverse = torch.full_like(amax, 127.0).div_(amax)
-    steps = (blocks * torch.where((amax > 0) & inverse.isfinite(), inverse, 0.0)).round().clamp(-127, 127)
-    rounded = (steps.double() * (amax / 127.0).double()).view(m, k)
-    return rounded @ dequantize(packed, sm, out_features, group).double().t()
+    """What the kernel computes, in float64: the inputs as the kernel rounds them
+    (`quantize.rounded_activations`) times the dequantized weight."""
+    return rounded_activations(x) @ dequantize(packed, sm, out_features, group).double().t()
 
 
 # The start-up check: a layer of these shapes, inputs of every sign and scale, a zero row.
