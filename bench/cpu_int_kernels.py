@@ -18,7 +18,7 @@ ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI); and the W4A8 kernel (service/engine/native
 weights, inputs rounded to int8 per block of 32, integer sums; NIM_CPU_INT4_KERNEL=auto) where it
 builds, with each input dtype (it takes both as they come); and the Q8 kernel
 (service/engine/native/q8.cpp: int8 weights with a scale per block of 32, inputs rounded to int8
-per block of 32; the compact logits head under float32 activations), float32 inputs.
+per block of 32; the compact logits head's first choice), float32 and bf16 inputs.
 The finding it was written for (bench/README.md "CPU precisions by measurement"): with float32
 inputs the int kernels take a scalar path 10-40x slower than with bfloat16 inputs, on AVX2 and
 AVX-512 alike, bf16 instructions or not; so the engine runs them in bf16 under fp32 activations
@@ -94,9 +94,11 @@ def measure(rows: int, n: int, k: int, reps: int) -> dict[str, float]:
     with torch.inference_mode():
         result["packed_fp32"] = median_ms(lambda: packed(x), reps)
         result["fbgemm_fp16_weights"] = median_ms(lambda: half(x), reps)
-        if q8.problem() is None and q8.shape_problem(k) is None:  # the compact head under float32
+        if q8.problem() is None and q8.shape_problem(k) is None:  # the compact head (first choice)
             blocks = q8.Q8Linear(weight * 0.02)
             result["q8_int8_inputs"] = median_ms(lambda: blocks(x), reps)
+            x_bf16 = x.bfloat16()
+            result["q8_int8_inputs_from_bf16"] = median_ms(lambda: blocks(x_bf16), reps)
         if w8a8_problem(k) is None:
             integer = W8A8Linear(Int8Weight.quantize(weight), torch.device("cpu"))
             result["w8a8_int8_inputs"] = median_ms(lambda: integer(x.bfloat16()), reps)

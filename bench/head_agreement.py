@@ -4,8 +4,9 @@
 
 The embedded model (int4_wo layers, as served) is built once per head: the activation dtype's
 own (the reference), the int8 weight-only head (`NIM_COMPACT_LOGITS=weight-only`), the integer
-head (`auto` under bf16 activations; service/engine/models/w8a8.py) and, under float32
-activations, the float16 one (`weight-only`) and the Q8 one (`auto`; service/engine/native/q8.py).
+head (under bf16 activations; service/engine/models/w8a8.py: `auto` where the Q8 head cannot run),
+under float32 activations the float16 one (`weight-only`), and the Q8 one (`auto` under either
+activation dtype; service/engine/native/q8.py).
 For each of the first --prompts prompts of tests/data/prompts.txt
 (chat template applied) the reference decodes --new-tokens greedy tokens; each head then reads
 that continuation teacher-forced, one forward pass, and each step is compared: the same token, or
@@ -83,8 +84,8 @@ def main() -> None:
         heads["integer_w8a8"] = "w8a8"
     if dtype == torch.float32:
         heads["float16"] = "fp16"
-        if q8_problem() is None:
-            heads["q8_blocks"] = "q8"
+    if q8_problem() is None:
+        heads["q8_blocks"] = "q8"
 
     def build(logits_format: LogitsFormat) -> CausalLM:
         config, weights = load_gguf(embedded_model_path(), "int4_wo")

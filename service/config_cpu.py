@@ -15,15 +15,15 @@ class CpuFields(BaseSettings):
     compact_logits: Literal["auto", "weight-only", "off"] = Field(
         "auto",
         validation_alias=AliasChoices("NIM_COMPACT_LOGITS"),
-        description="int8_wo and int4_wo profiles on the CPU: with bf16 activations auto holds the logits "
-        "projection and the embedding as int8 with one scale per row and quantizes each of the "
-        "projection's input rows to int8 too, summing the products in integers (oneDNN; where a "
-        "start-up probe finds that exact and batch-invariant: VNNI or AMX); with fp32 activations as "
-        "int8 blocks of 32 with float16 scales, each input row rounded to int8 per block of 32 (the "
-        "native Q8 kernel, llama.cpp's Q8_0; where it builds and its check passes); else as "
-        "weight-only does; weight-only: with bf16 activations the same int8 tables, the input in "
-        "bf16, with fp32 activations the projection as float16 computed in float32 (fbgemm); off: in "
-        "the activation dtype.",
+        description="int8_wo and int4_wo profiles on the CPU: auto holds the logits projection as int8 "
+        "blocks of 32 with float16 scales, each input row rounded to int8 per block of 32, the products "
+        "summed in integers (the native Q8 kernel, llama.cpp's Q8_0; where it builds and its check "
+        "passes), the embedding as int8 rows under bf16 activations; where it cannot, with bf16 "
+        "activations the projection and the embedding as int8 with one scale per row and each input "
+        "row quantized to int8 too (oneDNN; where a start-up probe finds that exact and "
+        "batch-invariant: VNNI or AMX), else as weight-only does; weight-only: with bf16 activations "
+        "the same int8 tables, the input in bf16, with fp32 activations the projection as float16 "
+        "computed in float32 (fbgemm); off: in the activation dtype.",
     )
     cpu_int4_kernel: Literal["auto", "weight-only"] = Field(
         "auto",

@@ -90,9 +90,11 @@ def _tiny_checkpoint(directory: Path, tied: bool) -> Path:
     return directory
 
 
-def _build(path: Path, logits_format: str, precision: str = "fp32") -> nn.Module:
+def _build(
+    path: Path, logits_format: str, precision: str = "fp32", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     config, weights = load_hf_dir(path, precision)
-    return build_model(config, weights, torch.float32, "cpu", BuildOptions(logits_format=logits_format))
+    return build_model(config, weights, dtype, "cpu", BuildOptions(logits_format=logits_format))
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -334,19 +336,53 @@ def test_float32_activations_take_the_q8_head_unless_told_or_it_cannot(
     with caplog.at_level("INFO"):
         failed, form = _logits_path(_engine_config("int4_wo", w8a8=True), cpu, fp32, 576)
     assert form == "fp16" and failed.used and "0.1 off its float64 reference" in failed.reason
-    assert "the logits projection keeps its input in float32" in caplog.text
-    # bf16 activations keep their own integer head (tests/test_w8a8_logits.py)
-    assert _logits_path(_engine_config("int4_wo", w8a8=True), cpu, torch.bfloat16, 576)[1] in ("w8a8", "int8")
+    assert "the logits projection takes the next choice" in caplog.text
+
+
+@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
+def test_bf16_activations_take_the_q8_head_first_then_the_integer_rows(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for precision in ("int4_wo", "int8_wo"):
+        path, form = _logits_path(_engine_config(precision, w8a8=True), cpu, bf16, 576)
+        assert path.used and form == "q8" and f"the native Q8 kernel, {q8.isa()}" in path.reason
+        assert "the embedding as int8, one scale per row" in path.reason
+        assert "NIM_COMPACT_LOGITS=weight-only keeps the input rows in bf16" in path.reason
+    # NIM_COMPACT_LOGITS=weight-only
+    weight_only, form = _logits_path(_engine_config("int4_wo"), cpu, bf16, 576)
+    assert form == "int8" and "NIM_COMPACT_LOGITS=weight-only" in weight_only.reason
+    # The Q8 kernel cannot run: oneDNN's integer rows next (where they pass their probe), else
+    # the weight-only int8 head, each reason kept.
+    monkeypatch.setattr(q8, "serving_problem", lambda width: "the Q8 kernel is 0.1 off its float64 reference")
+    monkeypatch.setattr(rank_loading, "w8a8_problem", lambda width: None)
+    with caplog.at_level("INFO"):
+        rows, form = _logits_path(_engine_config("int4_wo", w8a8=True), cpu, bf16, 576)
+    assert form == "w8a8" and rows.used and rows.reason.startswith("the Q8 kernel is 0.1 off")
+    assert "the logits projection takes the next choice" in caplog.text
+    monkeypatch.setattr(rank_loading, "w8a8_problem", lambda width: "no int8 dot products here")
+    neither, form = _logits_path(_engine_config("int4_wo", w8a8=True), cpu, bf16, 576)
+    assert form == "int8" and neither.used
+    assert "0.1 off its float64 reference; no int8 dot products here, so the input rows" in neither.reason
 
 
 @pytest.mark.skipif(q8.serving_problem(64) is not None, reason=f"the Q8 kernel: {q8.serving_problem(64)}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_the_q8_head_computes_the_formula_s_blocks(tmp_path: Path, tied: bool) -> None:
+def test_the_q8_head_computes_the_formula_s_blocks(tmp_path: Path, tied: bool, dtype: torch.dtype) -> None:
     path = _tiny_checkpoint(tmp_path / "tiny", tied)
-    floats, blocks = _build(path, "float"), _build(path, "q8")
+    floats, blocks = _build(path, "float", dtype=dtype), _build(path, "q8", dtype=dtype)
     assert isinstance(blocks.lm_head, q8.Q8Linear)
-    assert isinstance(blocks.model.embed_tokens, nn.Embedding)  # lookups stay float32
-    assert blocks.model.embed_tokens.weight.dtype == torch.float32
+    if dtype == torch.float32:  # lookups stay float32
+        assert isinstance(blocks.model.embed_tokens, nn.Embedding)
+        assert blocks.model.embed_tokens.weight.dtype == torch.float32
+    else:  # int8 rows, as the weight-only int8 build holds them; no float table kept
+        embedding, weight_only = blocks.model.embed_tokens, _build(path, "int8", dtype=dtype)
+        assert isinstance(embedding, Int8Embedding)
+        assert not any(isinstance(m, nn.Embedding) for m in blocks.modules())
+        ids = torch.tensor([0, 5, 319, 5, 77])
+        with torch.inference_mode():
+            assert torch.equal(embedding(ids), weight_only.model.embed_tokens(ids))
 
     def formula(table: torch.Tensor) -> torch.Tensor:  # per block of 32: its largest magnitude -> 127 steps
         parts = table.view(table.shape[0], -1, 32)
@@ -355,8 +391,8 @@ def test_the_q8_head_computes_the_formula_s_blocks(tmp_path: Path, tied: bool) -
 
     prompt = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
-        head = floats.model.embed_tokens.weight if tied else floats.lm_head.weight
-        hidden = floats(prompt, torch.arange(24), CausalAttention())
+        head = (floats.model.embed_tokens.weight if tied else floats.lm_head.weight).float()
+        hidden = blocks(prompt, torch.arange(24), CausalAttention()).float()  # its own hidden states
         parts = hidden.view(24, -1, 32)  # the input, rounded per block of 32
         largest = parts.abs().amax(-1, keepdim=True)  # x * (127 / largest), as the kernel rounds
         steps = (parts * (torch.full_like(largest, 127.0) / largest)).round().clamp(-127, 127)
@@ -379,3 +415,19 @@ def test_the_embedded_model_decodes_the_same_greedy_tokens_with_q8_logits() -> N
     compared, ties, worst = _greedy_agreement(models["float_head"], models["q8_head"], PROMPTS // 2)
     print(f"Q8 logits: {compared} greedy steps, {ties} near-tie(s) flipped; max |logprob diff| {worst:.4f}")
     assert compared >= PROMPTS // 2 * NEW_TOKENS - NEW_TOKENS and worst <= Q8_LOGPROB_TOLERANCE and ties <= 1
+
+
+@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
+def test_under_bf16_activations_the_q8_head_keeps_the_bf16_head_s_greedy_tokens() -> None:
+    models = _embedded_builds(
+        torch.bfloat16,
+        bf16_head=BuildOptions(prepack_cpu=True),
+        int8_head=BuildOptions(prepack_cpu=True, logits_format="int8"),
+        q8_head=BuildOptions(prepack_cpu=True, logits_format="q8"),
+    )
+    assert isinstance(models["q8_head"].lm_head, q8.Q8Linear)
+    compared, ties, worst = _greedy_agreement(models["bf16_head"], models["q8_head"])
+    print(f"Q8 logits, bf16: {compared} greedy steps, {ties} near-tie(s) flipped; max |diff| {worst:.4f}")
+    assert worst <= LOGPROB_TOLERANCE and ties <= PROMPTS // 4
+    weight_only = _greedy_agreement(models["bf16_head"], models["int8_head"])
+    assert ties <= weight_only[1] + 1, ("no further from the bf16 head than the int8 head", weight_only)

@@ -1,5 +1,5 @@
 """The CPU logits projection in integers (service/engine/models/w8a8.py, BuildOptions.logits_format
-"w8a8", NIM_COMPACT_LOGITS=auto under bf16 activations).
+"w8a8", NIM_COMPACT_LOGITS=auto under bf16 activations where the native Q8 head cannot run).
 
 References are the formula, written here in float64 (int8 rows with one scale each; each input
 row's OUTLIERS largest magnitudes quantized apart with a scale of their own, the rest with one), the model's
@@ -14,8 +14,9 @@ bf16 head, or the weight-only int8 head; never the code under test:
   lookups as the weight-only build's; a step's bytes as the weight-only head's;
 * the embedded model's greedy tokens equal the bf16 head's but at near-ties, within one near-tie
   of the weight-only int8 head's;
-* where it applies and why (rank_loading._logits_path): bf16 activations where the probe passes;
-  NIM_COMPACT_LOGITS=weight-only, a failed probe or float32 activations keep the weight-only forms.
+* where it applies and why (rank_loading._logits_path): bf16 activations where the native Q8 head
+  (the first choice) cannot run and the probe passes; NIM_COMPACT_LOGITS=weight-only, a failed
+  probe or float32 activations keep the weight-only forms.
 """
 
 from __future__ import annotations
@@ -202,14 +203,16 @@ def test_where_the_integer_logits_apply_and_why(
 ) -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(rank_loading, "w8a8_problem", lambda width: None)
+    # The Q8 head comes first under bf16 too (tests/test_cpu_int_kernels.py); here it cannot run.
+    monkeypatch.setattr(q8, "serving_problem", lambda width: "no Q8 kernel here")
     for precision in ("int4_wo", "int8_wo"):
         path, form = _logits_path(_engine_config(precision), CPU, bf16, 576)
         assert path.used and form == "w8a8" and "summed in integers" in path.reason
         assert "NIM_COMPACT_LOGITS=weight-only keeps the input rows in bf16" in path.reason
         path, form = _logits_path(_engine_config(precision, "weight-only"), CPU, bf16, 576)
         assert path.used and form == "int8" and "NIM_COMPACT_LOGITS=weight-only" in path.reason
-        path, form = _logits_path(_engine_config(precision), CPU, fp32, 576)  # its own Q8 head there
-        assert form == ("q8" if q8.serving_problem(576) is None else "fp16")  # tests/test_cpu_int_kernels.py
+        path, form = _logits_path(_engine_config(precision), CPU, fp32, 576)  # float16 there
+        assert form == "fp16" and path.reason.startswith("no Q8 kernel here")
         assert _logits_path(_engine_config(precision, "off"), CPU, bf16, 576)[1] == "float"
     monkeypatch.setattr(rank_loading, "w8a8_problem", lambda width: "no int8 dot products here")
     with caplog.at_level("INFO"):

@@ -231,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         elif self.logits_format == "fp16":
             self._half_logits()
         elif self.logits_format == "q8":
-            self._q8_logits()
+            self._q8_logits(target_device)
         if self.rotary.cos_cached.is_meta:
             self.rotary.materialize(target_device)
         self.rotary.reset_cache()
@@ -249,12 +249,18 @@ class LlamaForCausalLM(nn.Module):
         assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is packed"
         self.lm_head = HalfPackedLinear(self._float_table() if untied is None else untied.weight)
 
-    def _q8_logits(self) -> None:
+    def _q8_logits(self, device: torch.device) -> None:
         """The logits projection as Q8 blocks (BuildOptions.logits_format "q8": native/q8.py), from
-        the float weights just loaded; tied, the float table stays for lookups."""
-        untied = self.lm_head
+        the float weights just loaded. Lookups: under float32 activations the float table stays;
+        under bf16 the embedding becomes int8 rows with one scale each (as the "int8" and "w8a8"
+        formats hold it), the float table freed."""
+        embedding, untied = self.model.embed_tokens, self.lm_head
+        assert isinstance(embedding, nn.Embedding), "the logits are quantized once, after loading"
         assert untied is None or isinstance(untied, nn.Linear), "a float logits layer is quantized"
-        self.lm_head = Q8Linear(self._float_table() if untied is None else untied.weight)
+        self.lm_head = Q8Linear(embedding.weight if untied is None else untied.weight)
+        if self.activation_dtype != torch.float32:
+            table = Int8Weight.quantize(embedding.weight)
+            self.model.embed_tokens = Int8Embedding(table, self.activation_dtype, device)
 
     def _quantize_logits(self, device: torch.device) -> None:
         """The logits projection and the embedding as int8 (BuildOptions.logits_format "int8" or

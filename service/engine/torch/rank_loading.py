@@ -327,16 +327,21 @@ def _logits_path(
     """How the logits projection is held (BuildOptions.logits_format), and why. Where the
     profile's layers are weight-only int on the CPU, read in half the bytes of the activation
     dtype or fewer at each step:
-    - bf16 activations, first choice (NIM_COMPACT_LOGITS=auto): int8 with one scale per row, the
-      embedding too, and each input row quantized to int8 but for its few largest values, the
-      products summed in integers (w8a8.W8A8Linear: oneDNN's int8 matmul, which a start-up probe
-      must find exact and batch-invariant on this CPU; closer to the bf16 head than the next);
+    - first choice under either activation dtype (NIM_COMPACT_LOGITS=auto): int8 with one float16
+      scale per block of 32 weights, each input row rounded to int8 per block of 32, the products
+      summed in integers (native/q8.py's Q8Linear, llama.cpp's Q8_0 head: 1.06 bytes a weight;
+      where the native extension builds with AVX2 or AVX-512 VNNI and its start-up check passes).
+      Under bf16 activations the embedding is held as int8 rows (one scale a row), as the next two
+      hold it; under float32 it stays float32. Measured against the next (bench/README.md "The Q8
+      head under bf16 activations"): faster at every batch size on an AVX-512 VNNI host without
+      AMX, faster at 1 and 8 rows on an AMX host (oneDNN's AMX int8 leads there from ~32 rows, about
+      1% of such a step), and closer to the float head (block scales);
+    - else with bf16 activations: int8 with one scale per row, the embedding too, and each input
+      row quantized to int8 but for its few largest values, the products summed in integers
+      (w8a8.W8A8Linear: oneDNN's int8 matmul, which a start-up probe must find exact and
+      batch-invariant on this CPU);
     - else with bf16 activations: the same int8 tables, the input kept in bf16 (aten's int8
       kernel; the logits were computed in bf16 anyway);
-    - float32 activations, first choice (auto): int8 with one float16 scale per block of 32
-      weights, each input row rounded to int8 per block of 32, the products summed in integers
-      (native/q8.py's Q8Linear, llama.cpp's Q8_0 head: 1.06 bytes a weight; where the native
-      extension builds with AVX2 or AVX-512 VNNI and its start-up check passes);
     - else float32 activations: float16 through fbgemm, computed and returned in float32. Not
       aten's int8 kernel: it computes in bf16 there (BuildOptions.int_kernels_in_bf16) and would
       round the logits to bf16 (steps of 0.125 at a logit of 20), which flips near-tied greedy
@@ -356,29 +361,36 @@ def _logits_path(
         off = f"off ({COMPACT_LOGITS_SETTING}): the logits stay in the activation dtype"
         return chosen(False, off), "float"
     instead = f"{WEIGHT_ONLY_LOGITS_SETTING}: the input rows are not quantized; "
-    if config.w8a8_logits and dtype == torch.float32:
+    if config.w8a8_logits:
         try:
             problem = q8.serving_problem(hidden_size)
-        except Exception as error:  # an op that raises (a stale build, say): the float16 head instead
+        except Exception as error:  # an op that raises (a stale build, say): the next choice instead
             problem = f"the Q8 kernel's check raised {type(error).__name__}: {error}"
         if problem is None:
+            rest = (
+                f"the embedding stays float32; {WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in float32 "
+                "and the weights in float16"
+                if dtype == torch.float32
+                else f"the embedding as int8, one scale per row; {WEIGHT_ONLY_LOGITS_SETTING} keeps the "
+                "input rows in bf16"
+            )
             return chosen(True, "the logits projection as int8 with a float16 scale per block of 32 "
                           "weights, each input row rounded to int8 per block of 32, the products summed "
-                          f"in integers (the native Q8 kernel, {q8.isa()}, checked at start; the embedding "
-                          f"stays float32; {WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in "
-                          "float32 and the weights in float16)"), "q8"  # fmt: skip
-        log.info("%s; the logits projection keeps its input in float32", problem)
-        instead = f"{problem}, so the input rows are not quantized; "
-    elif config.w8a8_logits:
-        problem = w8a8_problem(hidden_size)
-        if problem is None:
-            return chosen(True, "the logits projection and the embedding as int8, one scale per row; "
-                          f"each input row quantized to int8, its {OUTLIERS} largest values apart (a row "
-                          "of their own), and the products summed in integers (oneDNN, probed exact and "
-                          "batch-invariant; "
-                          f"{WEIGHT_ONLY_LOGITS_SETTING} keeps the input rows in bf16)"), "w8a8"  # fmt: skip
-        log.info("%s; the logits projection keeps its input in %s", problem, dtype)
-        instead = f"{problem}, so the input rows are not quantized; "
+                          f"in integers (the native Q8 kernel, {q8.isa()}, checked at start; "
+                          f"{rest})"), "q8"  # fmt: skip
+        log.info("%s; the logits projection takes the next choice", problem)
+        instead = f"{problem}, so "
+        if dtype != torch.float32:
+            w8a8 = w8a8_problem(hidden_size)
+            if w8a8 is None:
+                return chosen(True, f"{instead}the logits projection and the embedding as int8, one scale "
+                              f"per row; each input row quantized to int8, its {OUTLIERS} largest values "
+                              "apart (a row of their own), and the products summed in integers (oneDNN, "
+                              f"probed exact and batch-invariant; {WEIGHT_ONLY_LOGITS_SETTING} keeps the "
+                              "input rows in bf16)"), "w8a8"  # fmt: skip
+            log.info("%s; the logits projection keeps its input in %s", w8a8, dtype)
+            instead = f"{problem}; {w8a8}, so "
+        instead += "the input rows are not quantized; "
     if dtype != torch.float32:
         return chosen(True, f"{instead}the logits projection and the embedding as int8, one scale per row, "
                       "the input in bf16"), "int8"  # fmt: skip
