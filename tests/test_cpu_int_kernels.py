@@ -46,7 +46,7 @@ from torch import nn
 
 from service.engine.models import cpu_linear
 from service.engine.models.attention import CausalAttention
-from service.engine.models.base import BuildOptions
+from service.engine.models.base import BuildOptions, LogitsFormat
 from service.engine.models.cpu_linear import HalfPackedLinear, half_packing_problem
 from service.engine.models.loader import build_model, load_gguf, load_hf_dir
 from service.engine.models.quant import Int8Weight
@@ -417,17 +417,26 @@ def test_the_embedded_model_decodes_the_same_greedy_tokens_with_q8_logits() -> N
     assert compared >= PROMPTS // 2 * NEW_TOKENS - NEW_TOKENS and worst <= Q8_LOGPROB_TOLERANCE and ties <= 1
 
 
-@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
-def test_under_bf16_activations_the_q8_head_keeps_the_bf16_head_s_greedy_tokens() -> None:
+def check_bf16_head_agreement(logits_format: LogitsFormat, head_type: type) -> None:
+    """The embedded model under bf16 activations with the integer head `logits_format`: greedy
+    tokens as the bf16 head's but at near-ties, and no further from it than the weight-only int8
+    head (tests/test_w8a8_logits.py's W8A8 head and the Q8 head below)."""
     models = _embedded_builds(
         torch.bfloat16,
         bf16_head=BuildOptions(prepack_cpu=True),
         int8_head=BuildOptions(prepack_cpu=True, logits_format="int8"),
-        q8_head=BuildOptions(prepack_cpu=True, logits_format="q8"),
+        integer_head=BuildOptions(prepack_cpu=True, logits_format=logits_format),
     )
-    assert isinstance(models["q8_head"].lm_head, q8.Q8Linear)
-    compared, ties, worst = _greedy_agreement(models["bf16_head"], models["q8_head"])
-    print(f"Q8 logits, bf16: {compared} greedy steps, {ties} near-tie(s) flipped; max |diff| {worst:.4f}")
+    assert isinstance(models["integer_head"].lm_head, head_type)
+    compared, ties, worst = _greedy_agreement(models["bf16_head"], models["integer_head"])
+    print(
+        f"{logits_format} logits, bf16: {compared} steps, {ties} near-tie(s) flipped; max |diff| {worst:.4f}"
+    )
     assert worst <= LOGPROB_TOLERANCE and ties <= PROMPTS // 4
     weight_only = _greedy_agreement(models["bf16_head"], models["int8_head"])
     assert ties <= weight_only[1] + 1, ("no further from the bf16 head than the int8 head", weight_only)
+
+
+@pytest.mark.skipif(q8.serving_problem(576) is not None, reason=f"the Q8 kernel: {q8.serving_problem(576)}")
+def test_under_bf16_activations_the_q8_head_keeps_the_bf16_head_s_greedy_tokens() -> None:
+    check_bf16_head_agreement("q8", q8.Q8Linear)

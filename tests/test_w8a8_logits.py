@@ -29,7 +29,6 @@ import torch
 
 from service.config_loading import ConfigError, load_settings
 from service.engine.models import w8a8
-from service.engine.models.base import BuildOptions
 from service.engine.models.quant import Int8Weight
 from service.engine.models.quant_linear import Int8Embedding, Int8Linear
 from service.engine.models.w8a8 import OUTLIERS, W8A8Linear, w8a8_problem
@@ -38,13 +37,10 @@ from service.engine.torch import rank_loading
 from service.engine.torch.rank_loading import _logits_path
 from service.serving import config_for
 from tests.test_cpu_int_kernels import (
-    LOGPROB_TOLERANCE,
-    PROMPTS,
     _build,
-    _embedded_builds,
-    _greedy_agreement,
     _logits,
     _tiny_checkpoint,
+    check_bf16_head_agreement,
 )
 
 CPU = torch.device("cpu")
@@ -175,21 +171,7 @@ def test_the_built_head_and_embedding(tmp_path: Path, tied: bool) -> None:
 
 @needs_int8_dot
 def test_the_embedded_model_decodes_the_same_greedy_tokens_with_integer_logits() -> None:
-    models = _embedded_builds(
-        torch.bfloat16,
-        bf16_head=BuildOptions(prepack_cpu=True),
-        int8_head=BuildOptions(prepack_cpu=True, logits_format="int8"),
-        w8a8_head=BuildOptions(prepack_cpu=True, logits_format="w8a8"),
-    )
-    assert isinstance(models["w8a8_head"].lm_head, W8A8Linear)
-    compared, ties, worst = _greedy_agreement(models["bf16_head"], models["w8a8_head"])
-    print(f"w8a8 logits: {compared} greedy steps, {ties} near-tie(s) flipped; max |logprob diff| {worst:.4f}")
-    assert worst <= LOGPROB_TOLERANCE and ties <= PROMPTS // 4
-    weight_only = _greedy_agreement(models["bf16_head"], models["int8_head"])
-    assert ties <= weight_only[1] + 1, (
-        "no further from the bf16 head than the weight-only int8 head",
-        weight_only,
-    )
+    check_bf16_head_agreement("w8a8", W8A8Linear)
 
 
 def _engine_config(precision: str = "int4_wo", compact: str = "auto") -> SimpleNamespace:
