@@ -438,8 +438,13 @@ def test_a_streamed_message_is_the_sdks_events(http: httpx.Client, claude: anthr
     validated(events, anthropic_types.RawMessageStreamEvent)
     kinds = [data["type"] for _, data in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    # Greedy: the Messages API samples at temperature 1 by default, and a sampled end of turn
+    # within 3 tokens would make the stop reason end_turn.
     with claude.messages.stream(
-        model=EMBEDDED_NAME, max_tokens=3, messages=[{"role": "user", "content": "Hi"}]
+        model=EMBEDDED_NAME,
+        max_tokens=3,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"temperature": 0},
     ) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
