@@ -26,6 +26,8 @@
 #include "isa.h"
 #include "lanes.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -92,6 +94,129 @@ inline void axpy(int64_t isa, float p, const T* v, float* acc, int64_t n) {
   return axpy_portable(p, v, acc, n);
 }
 
+// The AVX-512 copy of one (row, head) item for head sizes of `Chunks` x 16: the same operations
+// in the same order as the per-key loops below, arranged for the vector unit.
+//   - Dots, 16 keys at a time: each key's 16 lane partials as the per-key dot forms them, then the
+//     16 x 16 partials transposed in registers, so each key's lanes are summed in lane order by
+//     vertical adds: 16 keys' sums at once, where the per-key dot ends in 16 dependent scalar adds.
+//   - Values: the output's accumulators stay in registers across the keys.
+// The AVX2 and portable copies keep the per-key loops; the bits are the same (the ISA test).
+template <typename T>
+__attribute__((target("avx512f"), always_inline)) inline __m512 widened16(const T* p);
+template <>
+__attribute__((target("avx512f"), always_inline)) inline __m512 widened16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+__attribute__((target("avx512f"), always_inline)) inline __m512 widened16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+template <>
+__attribute__((target("avx512f"), always_inline)) inline __m512 widened16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// sum_j lanes[k][j] in j order for each of 16 keys k: lanes transposed in registers, then added
+// column by column. The unpack / shuffle sequence leaves column 4a + m in cols[4a + swap(m)],
+// swap exchanging 1 and 2.
+__attribute__((target("avx512f"), always_inline)) inline __m512 lane_sums16(const __m512 (&lanes)[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(lanes[2 * i], lanes[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(lanes[2 * i], lanes[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int k = 0; k < 2; ++k) {
+      const __m512d lo = _mm512_castps_pd(a[4 * i + k]), hi = _mm512_castps_pd(a[4 * i + 2 + k]);
+      b[4 * i + k] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+      b[4 * i + 2 + k] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+    }
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      a[8 * i + k] = _mm512_shuffle_f32x4(b[8 * i + k], b[8 * i + 4 + k], 0x88);
+      a[8 * i + 4 + k] = _mm512_shuffle_f32x4(b[8 * i + k], b[8 * i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    b[k] = _mm512_shuffle_f32x4(a[k], a[8 + k], 0x88);
+    b[8 + k] = _mm512_shuffle_f32x4(a[k], a[8 + k], 0xdd);
+  }
+  constexpr int kColumn[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) sum = _mm512_add_ps(sum, b[kColumn[j]]);
+  return sum;
+}
+
+// dots[i] = dot(q, keys[i]) * scale for i < n (q widened, `Chunks` x 16 long).
+template <int Chunks, typename T>
+__attribute__((target("avx512f"))) void scaled_dots_avx512(const float* qf, const T* const* keys, int64_t n,
+                                                          float scale, float* dots) {
+  __m512 q[Chunks];
+  for (int c = 0; c < Chunks; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t first = 0; first < n; first += 16) {
+    const int64_t count = std::min<int64_t>(16, n - first);
+    __m512 lanes[16];
+    for (int64_t k = 0; k < 16; ++k) {
+      __m512 lane = _mm512_setzero_ps();
+      if (k < count)
+        for (int c = 0; c < Chunks; ++c)
+          lane = _mm512_add_ps(lane, _mm512_mul_ps(q[c], widened16(keys[first + k] + 16 * c)));
+      lanes[k] = lane;
+    }
+    const __m512 sums = _mm512_mul_ps(lane_sums16(lanes), scaled);
+    _mm512_mask_storeu_ps(dots + first, static_cast<__mmask16>((1u << count) - 1), sums);
+  }
+}
+
+// out = sum_i p[i] values[i] / total, each element summed over i in order, rounded once to T.
+template <int Chunks, typename T>
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, const T* const* values, int64_t n,
+                                                              float total, T* out) {
+  __m512 acc[Chunks];
+  for (int c = 0; c < Chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 weight = _mm512_set1_ps(p[i]);
+    for (int c = 0; c < Chunks; ++c)
+      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, widened16(values[i] + 16 * c)));
+  }
+  alignas(64) float sums[Chunks * 16];
+  const __m512 divisor = _mm512_set1_ps(total);
+  for (int c = 0; c < Chunks; ++c) _mm512_store_ps(sums + 16 * c, _mm512_div_ps(acc[c], divisor));
+  for (int d = 0; d < Chunks * 16; ++d) out[d] = static_cast<T>(sums[d]);
+}
+
+// One (row, head) item on AVX-512: dots, their largest, exp and sum (exp_sum), values.
+template <int Chunks, typename T>
+void attend_item_avx512(const float* qf, const T* const* keys, int64_t n, int64_t values_at, float scale,
+                        float* dots, std::vector<const T*>& values, T* out) {
+  scaled_dots_avx512<Chunks>(qf, keys, n, scale, dots);
+  float largest = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, dots[i]);
+  const float total = exp_sum(2, dots, n, largest);
+  for (int64_t i = 0; i < n; ++i) values[i] = keys[i] + values_at;
+  weighted_values_avx512<Chunks>(dots, values.data(), n, total, out);
+}
+
+// The AVX-512 item for this head size, or null where the per-key loops serve it.
+template <typename T>
+using AttendItem = void (*)(const float*, const T* const*, int64_t, int64_t, float, float*,
+                            std::vector<const T*>&, T*);
+
+template <typename T>
+AttendItem<T> avx512_item(int64_t isa, int64_t dim) {
+  if (isa != 2) return nullptr;
+  switch (dim) {
+    case 32: return &attend_item_avx512<2, T>;
+    case 64: return &attend_item_avx512<4, T>;
+    case 80: return &attend_item_avx512<5, T>;
+    case 96: return &attend_item_avx512<6, T>;
+    case 128: return &attend_item_avx512<8, T>;
+    case 256: return &attend_item_avx512<16, T>;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
 void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables, const int64_t* lens, int64_t batch,
                  int64_t heads, int64_t kv_heads, int64_t blocks, int64_t block_size, int64_t dim, int64_t width,
@@ -99,9 +224,10 @@ void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables,
   const int64_t group = heads / kv_heads, longest = *std::max_element(lens, lens + batch);
   const int64_t values_at = kv_heads * blocks * block_size * dim;  // cache[1]
   const int64_t grain = std::max<int64_t>(1, kWorkPerThread / std::max<int64_t>(1, 2 * longest * dim));
+  const AttendItem<T> fast = avx512_item<T>(isa, dim);
   at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(dim), acc(dim), dots(longest);
-    std::vector<const T*> places(longest);
+    std::vector<const T*> places(longest), values(fast ? longest : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads, kv = h / group;
       const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -115,6 +241,10 @@ void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables,
         const T* block = head_cache + table[t / block_size] * block_size * dim;
         const int64_t stop = std::min(len, (t / block_size + 1) * block_size);
         for (int64_t offset = t % block_size; t < stop; ++t, ++offset) places[placed++] = block + offset * dim;
+      }
+      if (fast) {
+        fast(qf.data(), places.data(), n, values_at, scale, dots.data(), values, out + item * dim);
+        continue;
       }
       float largest = -INFINITY;
       for (int64_t i = 0; i < n; ++i) {
