@@ -150,6 +150,17 @@ for dtype in (torch.float32, torch.bfloat16):
     for window in (None, 5):
         got = fused_ops.decode_attention(q.to(dtype), cache.to(dtype), tables, lens, 0.2, window)
         out[f"attention {dtype} {window}"] = got.float().view(torch.int32).tolist()
+# A head size AVX-512 takes 16 keys at a time (decode_attention.cpp): lengths across those blocks.
+cache = x[:32].reshape(2, 1, 10, 5, 64)
+q = x.flatten()[-384:].reshape(3, 2, 64)
+tables = torch.tensor([list(range(10)), [3, 1, 4, 0, 5, 9, 2, 6, 8, 7], [7, 8, 9, 0, 1, 2, 3, 4, 5, 6]])
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    got = fused_ops.decode_attention(q.to(dtype), cache.to(dtype), tables, torch.tensor([17, 33, 50]), 0.2)
+    out[f"attention 64 {dtype}"] = got.float().view(torch.int32).tolist()
+    rotated, cos, sin = (x[:3, :160].reshape(3, 2, 80), x[3:6, :80], x[6:9, :80])
+    rotated = rotated.to(dtype)
+    torch.ops.nim_cpu.rope_(rotated, cos.reshape(3, 1, 80).to(dtype), sin.reshape(3, 1, 80).to(dtype))
+    out[f"rope {dtype}"] = rotated.float().view(torch.int32).tolist()
 json.dump(out, sys.stdout)
 """
 

@@ -87,11 +87,14 @@ def test_the_error_against_unrounded_activations_is_the_int8_steps_of_each_block
     assert 1e-5 < relative < 2e-2
 
 
-def test_every_instruction_set_here_gives_the_same_bits() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_instruction_set_here_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """The kernels' sums and the outputs' rounding to x's dtype alike."""
     here = ISA_LEVELS[w4a8.isa()]
     _, packed, sm = _layer(72, 256, 64)
-    x = _inputs(13, 256)
+    x = _inputs(13, 256).to(dtype)
     results = [torch.ops.nim_cpu.w4a8_linear(x, packed, sm, 64, 72, level) for level in range(here + 1)]
+    assert results[0].dtype == dtype
     for result in results[1:]:
         assert torch.equal(result, results[0])
     with pytest.raises(RuntimeError, match="not available here"):

@@ -44,6 +44,25 @@ inline int64_t grain_for(int64_t work_per_row) {
   return std::max<int64_t>(1, kWorkPerThread / std::max<int64_t>(1, work_per_row));
 }
 
+// The norm's elementwise loops (the residual add, the scaled output), one copy per ISA: each
+// element's operations alone, so the compiler's vectorised copies give the same bits.
+#define NIM_NORM_LOOPS(SUFFIX, TARGET)                                                            \
+  template <typename T>                                                                           \
+  TARGET void add_rows_##SUFFIX(const T* row, const T* res, int64_t width, T* sum, float* xf) {   \
+    for (int64_t i = 0; i < width; ++i) {                                                         \
+      sum[i] = static_cast<T>(widened(row[i]) + widened(res[i]));                                 \
+      xf[i] = widened(sum[i]);                                                                    \
+    }                                                                                             \
+  }                                                                                               \
+  template <typename T>                                                                           \
+  TARGET void scaled_row_##SUFFIX(const float* xf, const float* wf, float inv, int64_t width, T* o) { \
+    for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(wf[i] * rounded<T>(xf[i] * inv));  \
+  }
+
+NIM_NORM_LOOPS(avx512, __attribute__((target("avx512f,avx512bw"))))
+NIM_NORM_LOOPS(avx2, __attribute__((target("avx2,fma,f16c"))))
+NIM_NORM_LOOPS(portable, )
+
 // weight * F.rms_norm(x) (models/llama_layers.RMSNorm), row by row: x * 1 / sqrt(mean(x^2) + eps)
 // in float32, rounded to T, times the weight, rounded to T. Row r takes weight row r % W (a [H]
 // weight is one row; the scripted decode norms q and k heads side by side with a row per head).
@@ -58,13 +77,12 @@ void rms_rows(int64_t isa, const T* x, const T* residual, const T* weight, int64
       const T* row = x + r * width;
       if (residual == nullptr) {
         widen(row, width, xf.data());
+      } else if (isa == 2) {
+        add_rows_avx512(row, residual + r * width, width, summed + r * width, xf.data());
+      } else if (isa == 1) {
+        add_rows_avx2(row, residual + r * width, width, summed + r * width, xf.data());
       } else {
-        const T* res = residual + r * width;
-        T* sum = summed + r * width;
-        for (int64_t i = 0; i < width; ++i) {
-          sum[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(res[i]));
-          xf[i] = static_cast<float>(sum[i]);
-        }
+        add_rows_portable(row, residual + r * width, width, summed + r * width, xf.data());
       }
       const float inv = 1.f / std::sqrt(dot(isa, xf.data(), xf.data(), width) / static_cast<float>(width) + eps);
       const int64_t w = r % weight_rows;
@@ -73,7 +91,13 @@ void rms_rows(int64_t isa, const T* x, const T* residual, const T* weight, int64
         widened = w;
       }
       T* o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(wf[i] * rounded<T>(xf[i] * inv));
+      if (isa == 2) {
+        scaled_row_avx512(xf.data(), wf.data(), inv, width, o);
+      } else if (isa == 1) {
+        scaled_row_avx2(xf.data(), wf.data(), inv, width, o);
+      } else {
+        scaled_row_portable(xf.data(), wf.data(), inv, width, o);
+      }
     }
   });
 }
@@ -292,9 +316,24 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& input) {
 // and their sum rounded to T, as the three aten ops round them (bitwise theirs). x is [T, H, D]
 // with its last dimension contiguous (a view into the qkv projection's output); cos and sin
 // [T, 1, D] in x's dtype, signed as RotaryEmbedding.lookup_full makes them.
+// One head rotated: elementwise, so the compiler's vectorised copies for each ISA give the same
+// bits. The roll is split at D / 2 so each half's loop reads its partner contiguously.
+#define NIM_ROPE_HEAD(NAME, TARGET)                                                               \
+  template <typename T>                                                                           \
+  TARGET void NAME(const float* row, const T* c, const T* s, int64_t half, T* out) {              \
+    for (int64_t i = 0; i < half; ++i)                                                            \
+      out[i] = static_cast<T>(rounded<T>(row[i] * widened(c[i])) + rounded<T>(row[i + half] * widened(s[i]))); \
+    for (int64_t i = half; i < 2 * half; ++i)                                                     \
+      out[i] = static_cast<T>(rounded<T>(row[i] * widened(c[i])) + rounded<T>(row[i - half] * widened(s[i]))); \
+  }
+
+NIM_ROPE_HEAD(rope_head_avx512, __attribute__((target("avx512f,avx512bw"))))
+NIM_ROPE_HEAD(rope_head_avx2, __attribute__((target("avx2,fma,f16c"))))
+NIM_ROPE_HEAD(rope_head_portable, )
+
 template <typename T>
-void rope_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
-               const T* cos, const T* sin, int64_t table_stride) {
+void rope_rows(int64_t isa, T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+               int64_t head_stride, const T* cos, const T* sin, int64_t table_stride) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens * heads, grain_for(4 * dim), [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
@@ -304,10 +343,12 @@ void rope_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_s
       const T* c = cos + t * table_stride;
       const T* s = sin + t * table_stride;
       widen(out, dim, row.data());
-      for (int64_t i = 0; i < dim; ++i) {
-        const float kept = rounded<T>(row[i] * widened(c[i]));
-        const float turned = rounded<T>(row[(i + half) % dim] * widened(s[i]));
-        out[i] = static_cast<T>(kept + turned);
+      if (isa == 2) {
+        rope_head_avx512(row.data(), c, s, half, out);
+      } else if (isa == 1) {
+        rope_head_avx2(row.data(), c, s, half, out);
+      } else {
+        rope_head_portable(row.data(), c, s, half, out);
       }
     }
   });
@@ -324,15 +365,15 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                 "rope_: cos and sin must be [T, 1, D] in x's dtype, their last dimension contiguous");
   TORCH_CHECK(cos.stride(0) == sin.stride(0), "rope_: cos and sin must share their layout");
   if (tokens == 0 || heads == 0) return x;
-  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0);
+  const int64_t ts = x.stride(0), hs = x.stride(1), cs = cos.stride(0), isa = nim_cpu_isa();
   if (x.scalar_type() == at::kFloat) {
-    rope_rows(x.data_ptr<float>(), tokens, heads, dim, ts, hs, cos.data_ptr<float>(), sin.data_ptr<float>(), cs);
+    rope_rows(isa, x.data_ptr<float>(), tokens, heads, dim, ts, hs, cos.data_ptr<float>(), sin.data_ptr<float>(), cs);
   } else if (x.scalar_type() == at::kBFloat16) {
-    rope_rows(x.data_ptr<c10::BFloat16>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::BFloat16>(),
+    rope_rows(isa, x.data_ptr<c10::BFloat16>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::BFloat16>(),
               sin.data_ptr<c10::BFloat16>(), cs);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kHalf, "rope_: float32, bfloat16 or float16 only");
-    rope_rows(x.data_ptr<c10::Half>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::Half>(),
+    rope_rows(isa, x.data_ptr<c10::Half>(), tokens, heads, dim, ts, hs, cos.data_ptr<c10::Half>(),
               sin.data_ptr<c10::Half>(), cs);
   }
   return x;
