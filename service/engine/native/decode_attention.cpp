@@ -147,13 +147,16 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 lane_sums16(cons
   return sum;
 }
 
-// dots[i] = dot(q, keys[i]) * scale for i < n (q widened, `Chunks` x 16 long).
+// dots[i] = dot(q, keys[i]) * scale for i < n (q widened, `Chunks` x 16 long); returns their
+// largest as the per-key loop's std::max finds it (a NaN dot never taken; the largest of equal
+// zeros is the earlier, which exp_sum computes alike whatever its sign).
 template <int Chunks, typename T>
-__attribute__((target("avx512f"))) void scaled_dots_avx512(const float* qf, const T* const* keys, int64_t n,
-                                                          float scale, float* dots) {
+__attribute__((target("avx512f"))) float scaled_dots_avx512(const float* qf, const T* const* keys, int64_t n,
+                                                           float scale, float* dots) {
   __m512 q[Chunks];
   for (int c = 0; c < Chunks; ++c) q[c] = _mm512_loadu_ps(qf + 16 * c);
   const __m512 scaled = _mm512_set1_ps(scale);
+  __m512 largest = _mm512_set1_ps(-INFINITY);
   for (int64_t first = 0; first < n; first += 16) {
     const int64_t count = std::min<int64_t>(16, n - first);
     __m512 lanes[16];
@@ -165,20 +168,24 @@ __attribute__((target("avx512f"))) void scaled_dots_avx512(const float* qf, cons
       lanes[k] = lane;
     }
     const __m512 sums = _mm512_mul_ps(lane_sums16(lanes), scaled);
-    _mm512_mask_storeu_ps(dots + first, static_cast<__mmask16>((1u << count) - 1), sums);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    _mm512_mask_storeu_ps(dots + first, valid, sums);
+    largest = _mm512_mask_max_ps(largest, valid, sums, largest);  // NaN or equal: largest kept
   }
+  return _mm512_reduce_max_ps(largest);
 }
 
-// out = sum_i p[i] values[i] / total, each element summed over i in order, rounded once to T.
+// out = sum_i p[i] values[i] / total, each element summed over i in order, rounded once to T;
+// value i lies at keys[i] + values_at.
 template <int Chunks, typename T>
-__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, const T* const* values, int64_t n,
-                                                              float total, T* out) {
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, const T* const* keys, int64_t values_at,
+                                                              int64_t n, float total, T* out) {
   __m512 acc[Chunks];
   for (int c = 0; c < Chunks; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m512 weight = _mm512_set1_ps(p[i]);
-    for (int c = 0; c < Chunks; ++c)
-      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, widened16(values[i] + 16 * c)));
+    const T* value = keys[i] + values_at;
+    for (int c = 0; c < Chunks; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, widened16(value + 16 * c)));
   }
   alignas(64) float sums[Chunks * 16];
   const __m512 divisor = _mm512_set1_ps(total);
@@ -186,22 +193,18 @@ __attribute__((target("avx512f"))) void weighted_values_avx512(const float* p, c
   for (int d = 0; d < Chunks * 16; ++d) out[d] = static_cast<T>(sums[d]);
 }
 
-// One (row, head) item on AVX-512: dots, their largest, exp and sum (exp_sum), values.
+// One (row, head) item on AVX-512: dots and their largest, exp and sum (exp_sum), values.
 template <int Chunks, typename T>
 void attend_item_avx512(const float* qf, const T* const* keys, int64_t n, int64_t values_at, float scale,
-                        float* dots, std::vector<const T*>& values, T* out) {
-  scaled_dots_avx512<Chunks>(qf, keys, n, scale, dots);
-  float largest = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, dots[i]);
+                        float* dots, T* out) {
+  const float largest = scaled_dots_avx512<Chunks>(qf, keys, n, scale, dots);
   const float total = exp_sum(2, dots, n, largest);
-  for (int64_t i = 0; i < n; ++i) values[i] = keys[i] + values_at;
-  weighted_values_avx512<Chunks>(dots, values.data(), n, total, out);
+  weighted_values_avx512<Chunks>(dots, keys, values_at, n, total, out);
 }
 
 // The AVX-512 item for this head size, or null where the per-key loops serve it.
 template <typename T>
-using AttendItem = void (*)(const float*, const T* const*, int64_t, int64_t, float, float*,
-                            std::vector<const T*>&, T*);
+using AttendItem = void (*)(const float*, const T* const*, int64_t, int64_t, float, float*, T*);
 
 template <typename T>
 AttendItem<T> avx512_item(int64_t isa, int64_t dim) {
@@ -227,7 +230,7 @@ void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables,
   const AttendItem<T> fast = avx512_item<T>(isa, dim);
   at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(dim), acc(dim), dots(longest);
-    std::vector<const T*> places(longest), values(fast ? longest : 0);
+    std::vector<const T*> places(longest);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / heads, h = item % heads, kv = h / group;
       const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -243,7 +246,7 @@ void attend_rows(int64_t isa, const T* q, const T* cache, const int64_t* tables,
         for (int64_t offset = t % block_size; t < stop; ++t, ++offset) places[placed++] = block + offset * dim;
       }
       if (fast) {
-        fast(qf.data(), places.data(), n, values_at, scale, dots.data(), values, out + item * dim);
+        fast(qf.data(), places.data(), n, values_at, scale, dots.data(), out + item * dim);
         continue;
       }
       float largest = -INFINITY;
