@@ -15,7 +15,11 @@ sees: the small aten ops' dispatch and kernel code leave the caches with the wei
 - decode attention, the embedded model's heads (9 query heads over 3 kv heads of 64, blocks of
   16), rows of 200 and 600 keys: the engine's previous path (one row's blocks as a run read in
   place, 8 rows' gathered by one index_select; sdpa with the additive mask: PagedAttention._decode
-  on gathered blocks) against the native op over the block tables (DecodeAttention.NATIVE).
+  on gathered blocks) against the native op over the block tables (DecodeAttention.NATIVE); and
+  a lone request's verification step, 8 rows of one sequence over 230 to 237 keys (the rows of
+  7 drafts), the same gathered path against the native op;
+- the table RoPE over q and k (12 heads of 64), the three aten ops against the fused op, at 1 and
+  8 rows.
 
 Prints one JSON document (with the command) and writes --out.
 """
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 
 from service.engine.native import extension, fused_ops
 from service.engine.torch.sampler import greedy
+from service.engine.torch.scripted_ops import rotate_
 
 
 def median_us(fn: Callable[[], object], before: Callable[[], object], reps: int) -> float:
@@ -77,6 +82,36 @@ def _attention_pair(
         return F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=dim**-0.5)
 
     return gathered, lambda: fused_ops.decode_attention(q, cache, tables, lens, dim**-0.5)
+
+
+def _verification_pair(
+    rows: int, keys: int, generator: torch.Generator
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(the gathered path, the native op) for a lone request's verification step: `rows` rows of
+    one sequence, the first over `keys` keys and each next one over one more, bf16."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    width = -(-(keys + rows) // block)
+    cache = torch.randn(2, kv_heads, width, block, dim, generator=generator).bfloat16()
+    q = torch.randn(rows, heads, dim, generator=generator).bfloat16()
+    tables = torch.arange(width).repeat(rows, 1)
+    lens = torch.arange(keys, keys + rows)
+    mask = torch.zeros(rows, 1, 1, width * block, dtype=torch.bfloat16)
+    for r in range(rows):
+        mask[r, ..., keys + r :] = float("-inf")
+
+    def gathered() -> object:  # one run of blocks read in place, each row masked to its length
+        k, v = cache.reshape(2, 1, kv_heads, width * block, dim).unbind(0)
+        queries = q.view(rows, kv_heads, heads // kv_heads, dim)
+        return F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=dim**-0.5)
+
+    return gathered, lambda: fused_ops.decode_attention(q, cache, tables, lens, dim**-0.5)
+
+
+def _rope_pair(rows: int, generator: torch.Generator) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(TableRope's three aten ops, the fused op) over q and k of `rows` rows, in place, bf16."""
+    qk = torch.randn(rows, 12, 64, generator=generator).bfloat16()
+    cos, sin = (torch.randn(rows, 1, 64, generator=generator).bfloat16() for _ in range(2))
+    return lambda: rotate_(qk, cos, sin), lambda: torch.ops.nim_cpu.rope_(qk, cos, sin)
 
 
 def main() -> None:
@@ -125,6 +160,9 @@ def main() -> None:
         )
     for rows, keys in ((1, 200), (1, 600), (8, 200)):
         cases[f"decode attention {rows}x{keys} keys"] = _attention_pair(rows, keys, generator)
+    cases["decode attention, 8 verification rows of 230-237 keys"] = _verification_pair(8, 230, generator)
+    for rows in (1, 8):
+        cases[f"rope {rows}x12x64"] = _rope_pair(rows, generator)
     results = {}
     for name, (aten, fused) in cases.items():
         results[name] = {
