@@ -174,6 +174,19 @@ def test_the_embedded_model_decodes_the_same_greedy_tokens_with_integer_logits()
     check_bf16_head_agreement("w8a8", W8A8Linear)
 
 
+def test_a_lowered_cpu_capability_keeps_the_avx512_int8_products_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 VNNI host: the head an AVX2 host gets (oneDNN would
+    otherwise multiply with AVX-512 VNNI beside torch's AVX2 kernels); AVX-VNNI hosts keep it."""
+    monkeypatch.setattr(w8a8, "_ops_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(w8a8, "cpu_flags", lambda: {"avx512f", "avx512_vnni", "avx2"})
+    problem = w8a8_problem(576)
+    assert problem is not None and "capability is AVX2 (ATEN_CPU_CAPABILITY)" in problem
+    assert "avx512_vnni" in problem
+    monkeypatch.setattr(w8a8, "cpu_flags", lambda: {"avx2", "avx_vnni"})
+    assert "capability" not in (w8a8_problem(576) or "")
+
+
 def _engine_config(precision: str = "int4_wo", compact: str = "auto") -> SimpleNamespace:
     return SimpleNamespace(
         precision=precision, compact_logits=compact != "off", w8a8_logits=compact == "auto"

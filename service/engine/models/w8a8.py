@@ -48,6 +48,7 @@ from service.host import cpu_flags
 
 # CPU features with which oneDNN multiplies int8 without saturating 16-bit intermediates.
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+AVX512_INT8_DOT_FLAGS = ("avx512_vnni", "amx_int8")  # only where torch runs its AVX-512 kernels
 _LARGEST = 127.0
 OUTLIERS = 4  # each input row's largest magnitudes, quantized apart from the rest (a row of their own)
 SHIFT = 128  # int8 -> uint8: the kernel's fast path takes unsigned inputs with a zero point of 0
@@ -142,6 +143,14 @@ def w8a8_problem(in_features: int) -> str | None:
         return "this PyTorch build has no oneDNN int8 matmul"
     if not set(INT8_DOT_FLAGS) & cpu_flags():
         return f"this CPU has none of {', '.join(INT8_DOT_FLAGS)} (int8 products without saturation)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512") and not {"avx_vnni"} & cpu_flags():
+        # ATEN_CPU_CAPABILITY lowers the head's instructions as it lowers the native kernels'
+        # (isa.h): an AVX-512 host emulating an AVX2 one serves the head an AVX2 host serves.
+        return (
+            f"torch's CPU capability is {capability} (ATEN_CPU_CAPABILITY), below the AVX-512 this "
+            f"CPU's int8 products ({', '.join(sorted(set(AVX512_INT8_DOT_FLAGS) & cpu_flags()))}) need"
+        )
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (_PROBE_OUTPUTS, in_features), dtype=torch.int8, generator=generator)
     q[0], q[1] = 127, -127
