@@ -71,9 +71,7 @@ NIM_EXP_SUM(exp_sum_avx2, __attribute__((target("avx2,fma"))))
 NIM_EXP_SUM(exp_sum_portable, )
 
 inline float exp_sum(int64_t isa, float* s, int64_t n, float shift) {
-  if (isa == 2) return exp_sum_avx512(s, n, shift);
-  if (isa == 1) return exp_sum_avx2(s, n, shift);
-  return exp_sum_portable(s, n, shift);
+  return NIM_ISA_CALL(isa, exp_sum, s, n, shift);
 }
 
 // acc[d] += p * v[d], v widened as it is read: each element's sum over t in order.
@@ -89,9 +87,7 @@ NIM_AXPY(axpy_portable, )
 
 template <typename T>
 inline void axpy(int64_t isa, float p, const T* v, float* acc, int64_t n) {
-  if (isa == 2) return axpy_avx512(p, v, acc, n);
-  if (isa == 1) return axpy_avx2(p, v, acc, n);
-  return axpy_portable(p, v, acc, n);
+  NIM_ISA_CALL(isa, axpy, p, v, acc, n);
 }
 
 // The AVX-512 copy of one (row, head) item for head sizes of `Chunks` x 16: the same operations

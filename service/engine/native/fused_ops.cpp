@@ -77,12 +77,8 @@ void rms_rows(int64_t isa, const T* x, const T* residual, const T* weight, int64
       const T* row = x + r * width;
       if (residual == nullptr) {
         widen(row, width, xf.data());
-      } else if (isa == 2) {
-        add_rows_avx512(row, residual + r * width, width, summed + r * width, xf.data());
-      } else if (isa == 1) {
-        add_rows_avx2(row, residual + r * width, width, summed + r * width, xf.data());
       } else {
-        add_rows_portable(row, residual + r * width, width, summed + r * width, xf.data());
+        NIM_ISA_CALL(isa, add_rows, row, residual + r * width, width, summed + r * width, xf.data());
       }
       const float inv = 1.f / std::sqrt(dot(isa, xf.data(), xf.data(), width) / static_cast<float>(width) + eps);
       const int64_t w = r % weight_rows;
@@ -90,14 +86,7 @@ void rms_rows(int64_t isa, const T* x, const T* residual, const T* weight, int64
         widen(weight + w * width, width, wf.data());
         widened = w;
       }
-      T* o = out + r * width;
-      if (isa == 2) {
-        scaled_row_avx512(xf.data(), wf.data(), inv, width, o);
-      } else if (isa == 1) {
-        scaled_row_avx2(xf.data(), wf.data(), inv, width, o);
-      } else {
-        scaled_row_portable(xf.data(), wf.data(), inv, width, o);
-      }
+      NIM_ISA_CALL(isa, scaled_row, xf.data(), wf.data(), inv, width, out + r * width);
     }
   });
 }
@@ -303,8 +292,7 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& input) {
   at::parallel_for(0, rows, grain_for(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * vocab;
-      const ArgMax found = isa == 2 ? argmax_avx512(row, vocab) : isa == 1 ? argmax_avx2(row, vocab)
-                                                                           : argmax_portable(row, vocab);
+      const ArgMax found = NIM_ISA_CALL(isa, argmax, row, vocab);
       v[r] = found.nan ? std::numeric_limits<float>::quiet_NaN() : found.top;
       id[r] = found.nan ? 0 : found.first;
     }
@@ -312,10 +300,6 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& input) {
   return {values, ids};
 }
 
-// TableRope (models/rope.py), in place: x * cos + roll(x, D / 2) * sin, each product rounded to T
-// and their sum rounded to T, as the three aten ops round them (bitwise theirs). x is [T, H, D]
-// with its last dimension contiguous (a view into the qkv projection's output); cos and sin
-// [T, 1, D] in x's dtype, signed as RotaryEmbedding.lookup_full makes them.
 // One head rotated: elementwise, so the compiler's vectorised copies for each ISA give the same
 // bits. The roll is split at D / 2 so each half's loop reads its partner contiguously.
 #define NIM_ROPE_HEAD(NAME, TARGET)                                                               \
@@ -331,6 +315,10 @@ NIM_ROPE_HEAD(rope_head_avx512, __attribute__((target("avx512f,avx512bw"))))
 NIM_ROPE_HEAD(rope_head_avx2, __attribute__((target("avx2,fma,f16c"))))
 NIM_ROPE_HEAD(rope_head_portable, )
 
+// TableRope (models/rope.py), in place: x * cos + roll(x, D / 2) * sin, each product rounded to T
+// and their sum rounded to T, as the three aten ops round them (bitwise theirs). x is [T, H, D]
+// with its last dimension contiguous (a view into the qkv projection's output); cos and sin
+// [T, 1, D] in x's dtype, signed as RotaryEmbedding.lookup_full makes them.
 template <typename T>
 void rope_rows(int64_t isa, T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
                int64_t head_stride, const T* cos, const T* sin, int64_t table_stride) {
@@ -343,13 +331,7 @@ void rope_rows(int64_t isa, T* x, int64_t tokens, int64_t heads, int64_t dim, in
       const T* c = cos + t * table_stride;
       const T* s = sin + t * table_stride;
       widen(out, dim, row.data());
-      if (isa == 2) {
-        rope_head_avx512(row.data(), c, s, half, out);
-      } else if (isa == 1) {
-        rope_head_avx2(row.data(), c, s, half, out);
-      } else {
-        rope_head_portable(row.data(), c, s, half, out);
-      }
+      NIM_ISA_CALL(isa, rope_head, row.data(), c, s, half, out);
     }
   });
 }

@@ -19,3 +19,9 @@ inline int64_t nim_cpu_isa() {
   }();
   return chosen;
 }
+
+// NAME's copy for the chosen instructions (NAME_avx512, NAME_avx2 or NAME_portable: the same C++
+// compiled for each target), called with the arguments that follow.
+#define NIM_ISA_CALL(isa, NAME, ...)                                                  \
+  ((isa) == 2 ? NAME##_avx512(__VA_ARGS__)                                           \
+              : (isa) == 1 ? NAME##_avx2(__VA_ARGS__) : NAME##_portable(__VA_ARGS__))

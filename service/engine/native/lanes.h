@@ -9,6 +9,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "isa.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -62,9 +64,7 @@ NIM_DOT(dot_portable, )
 
 template <typename T>
 inline float dot(int64_t isa, const float* a, const T* b, int64_t n) {
-  if (isa == 2) return dot_avx512(a, b, n);
-  if (isa == 1) return dot_avx2(a, b, n);
-  return dot_portable(a, b, n);
+  return NIM_ISA_CALL(isa, dot, a, b, n);
 }
 
 template <typename T>

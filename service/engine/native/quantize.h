@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -83,13 +85,7 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int64_t group, int64_t
       int8_t* q = out.q.data() + m * k;
       float* d = out.d.data() + m * blocks;
       int32_t* isums = out.isums.data() + m * blocks;
-      if (isa == 2) {
-        quantize_blocks_avx512(xf.data(), q, d, isums, blocks);
-      } else if (isa == 1) {
-        quantize_blocks_avx2(xf.data(), q, d, isums, blocks);
-      } else {
-        quantize_blocks_portable(xf.data(), q, d, isums, blocks);
-      }
+      NIM_ISA_CALL(isa, quantize_blocks, xf.data(), q, d, isums, blocks);
       // The rounded inputs' sum per weight group, block by block in order (no vectorised sum).
       for (int64_t g = 0; g < groups; ++g) {
         float s = 0.f;

@@ -224,13 +224,6 @@ NIM_STORE_TILE(store_tile_avx2, __attribute__((target("avx2,fma,f16c"))))
 NIM_STORE_TILE(store_tile_portable, )
 
 template <typename T>
-inline void store_tile(int64_t isa, const float* acc, int64_t m_rows, int64_t columns, T* y, int64_t n) {
-  if (isa == 2) return store_tile_avx512(acc, m_rows, columns, y, n);
-  if (isa == 1) return store_tile_avx2(acc, m_rows, columns, y, n);
-  store_tile_portable(acc, m_rows, columns, y, n);
-}
-
-template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, int64_t group, int64_t isa,
          at::Tensor& out) {
   const int64_t m_rows = x.size(0), k = x.size(1), tiles = packed.size(0), n = out.size(1);
@@ -248,7 +241,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm, in
       const uint8_t* wt = w + t * (k / kBlock) * kTileBlockBytes;
       const c10::Half* st = s + t * groups * 2 * kTile;
       tile_rows(isa, wt, st, qx.q.data(), qx.d.data(), qx.sums.data(), m_rows, k, group, acc.data());
-      store_tile(isa, acc.data(), m_rows, std::min(kTile, n - t * kTile), y + t * kTile, n);
+      NIM_ISA_CALL(isa, store_tile, acc.data(), m_rows, std::min(kTile, n - t * kTile), y + t * kTile, n);
     }
   });
 }
